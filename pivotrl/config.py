@@ -1,0 +1,222 @@
+"""Typed, validated configuration: YAML files plus `--set a.b=c` overrides, checked by pydantic v2.
+
+Every section forbids unknown keys, so a typo is an error rather than a silently ignored setting. Errors are
+raised as `UserError` with one line naming the file and the dotted field, e.g.
+``configs/x.yaml: train.lr: Input should be greater than 0 (got -1)``.
+
+Sections that belong to one sub-system (the simulator's workload and cost profiles, say) define their own
+pydantic models and load them through the same `load_config`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from pivotrl.errors import UserError
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class Section(BaseModel):
+    """Base of every config section: unknown keys are errors, assignments are validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Sections of a pipeline config
+# ----------------------------------------------------------------------------------------------------
+
+
+class RunConfig(Section):
+    name: str = "run"
+    seed: int = 0
+    iterations: int = Field(8, ge=1)
+    storage_root: str = "storage"
+
+
+class ModelRef(Section):
+    """A model: either a bootstrap preset built here (`size`) or a Hugging Face directory (`path`)."""
+
+    name: str = Field(..., min_length=1, description="name in the Global Parameter Storage")
+    size: Literal["debug", "small"] | None = "small"
+    path: str | None = None
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+
+class ModelsConfig(Section):
+    policy: ModelRef = ModelRef(name="policy")
+    genrm: ModelRef = ModelRef(name="genrm")
+
+
+class TaskConfig(Section):
+    name: str = "sort"
+    prompts_per_iteration: int = Field(32, ge=1)
+    group_size: int = Field(4, ge=1)
+    eval_prompts: int = Field(200, ge=0)
+    dataset: str | None = None
+    on_bad_row: Literal["error", "skip"] = "error"
+    options: dict[str, Any] = Field(default_factory=dict)
+
+
+class SamplingConfig(Section):
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    max_new_tokens: int = Field(128, ge=1)
+
+
+class EngineConfig(Section):
+    backend: Literal["torch", "vllm"] = "torch"
+    kv_budget_tokens: int = Field(65536, ge=1)
+    max_batch: int = Field(64, ge=1)
+
+
+class RolloutConfig(Section):
+    sampling: SamplingConfig = SamplingConfig()
+    engine: EngineConfig = EngineConfig()
+
+
+class RewardConfig(Section):
+    sampling: SamplingConfig = SamplingConfig(temperature=0.0, max_new_tokens=96)
+    engine: EngineConfig = EngineConfig()
+    default_reward: float = 0.0
+
+
+class TrainConfig(Section):
+    lr: float = Field(1e-4, gt=0.0)
+    clip_eps: float = Field(0.2, gt=0.0)
+    kl_coef: float = Field(0.0, ge=0.0)
+    micro_batch: int = Field(16, ge=1)
+    grad_clip: float = Field(1.0, gt=0.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+
+
+class ClusterConfig(Section):
+    workers: int | None = Field(None, ge=1, description="device workers; default one per core")
+    scheduler: str | None = Field(None, description="tcp://host:port of an existing Dask scheduler")
+    host: str = "127.0.0.1"
+    dashboard_address: str = ":8787"
+    torch_threads: int = Field(1, ge=1)
+
+
+class SchedulerConfig(Section):
+    mode: Literal["colocated", "disaggregated", "shiftable"] = "shiftable"
+    static_split: dict[str, int] | None = None
+    horizon_s: float = Field(10.0, gt=0.0)
+    hysteresis: float = Field(0.05, ge=0.0)
+    cooldown_s: float = Field(2.0, ge=0.0)
+    tick_s: float = Field(0.25, gt=0.0)
+
+
+class GPSConfig(Section):
+    root: str | None = Field(None, description="persistent tier; default <storage_root>/gps")
+    host_tier: str | None = Field(None, description="node-local fast tier, e.g. /dev/shm/pivotrl")
+    device_tier_bytes: int = Field(2 << 30, ge=0)
+    keep_last: int = Field(3, ge=1)
+
+
+class PipelineConfig(Section):
+    """A whole pipeline run: what `pivotrl-pipeline submit CONFIG` reads."""
+
+    run: RunConfig = RunConfig()
+    models: ModelsConfig = ModelsConfig()
+    task: TaskConfig = TaskConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    reward: RewardConfig = RewardConfig()
+    train: TrainConfig = TrainConfig()
+    cluster: ClusterConfig = ClusterConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    gps: GPSConfig = GPSConfig()
+
+    @model_validator(mode="after")
+    def _check_split(self) -> PipelineConfig:
+        split = self.scheduler.static_split
+        if split is not None:
+            bad = sorted(set(split) - {"rollout", "reward", "train"})
+            if bad:
+                raise ValueError(f"static_split has unknown role(s) {bad}; roles are rollout, reward, train")
+            if any(v < 0 for v in split.values()):
+                raise ValueError("static_split counts must be >= 0")
+        return self
+
+
+# ----------------------------------------------------------------------------------------------------
+# Loading
+# ----------------------------------------------------------------------------------------------------
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """Read a YAML mapping, turning every failure into a one-line `UserError` naming the file."""
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"{p}: config file not found")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" (line {mark.line + 1})" if mark is not None else ""
+        raise UserError(f"{p}: invalid YAML{where}: {getattr(exc, 'problem', exc)}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise UserError(f"{p}: top level must be a mapping, got {type(data).__name__}")
+    return data
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
+    """Apply `a.b.c=value` overrides in place; values are parsed as YAML scalars (so `3`, `0.1`, `true`)."""
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise UserError(f"--set {item!r}: expected KEY=VALUE, e.g. train.lr=1e-4")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            value = raw
+        node = data
+        parts = key.strip().split(".")
+        for part in parts[:-1]:
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise UserError(f"--set {item!r}: {part} is not a section")
+            node = child
+        node[parts[-1]] = value
+    return data
+
+
+def _format_error(source: str, exc: ValidationError) -> str:
+    err = exc.errors()[0]
+    field = ".".join(str(p) for p in err["loc"]) or "<root>"
+    msg = err["msg"]
+    if err["type"] == "extra_forbidden":
+        msg = "unknown field"
+    got = err.get("input")
+    quiet = err["type"] in ("extra_forbidden", "missing") or isinstance(got, dict)
+    got_txt = "" if quiet else f" (got {got!r})"
+    more = f" [+{len(exc.errors()) - 1} more]" if len(exc.errors()) > 1 else ""
+    return f"{source}: {field}: {msg}{got_txt}{more}"
+
+
+def validate(data: dict[str, Any], cls: type[M], source: str = "<config>") -> M:
+    """Validate a mapping into `cls`, or raise a one-line `UserError` naming `source` and the field."""
+    try:
+        return cls.model_validate(data)
+    except ValidationError as exc:
+        raise UserError(_format_error(source, exc)) from None
+
+
+def load_config(
+    path: str | Path | None,
+    cls: type[M] = PipelineConfig,  # type: ignore[assignment]
+    overrides: list[str] | tuple[str, ...] = (),
+) -> M:
+    """Load `path` (or the defaults when None), apply `--set` overrides, validate into `cls`."""
+    data = read_yaml(path) if path is not None else {}
+    apply_overrides(data, overrides)
+    return validate(data, cls, source=str(path) if path is not None else "<defaults>")

@@ -1,0 +1,1 @@
+"""pivotrl.core"""
