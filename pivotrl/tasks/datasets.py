@@ -1,0 +1,86 @@
+"""Load problems from JSONL or parquet files.
+
+Each row needs a non-empty string ``prompt`` and ``answer``; ``uid`` is optional (defaults to
+``<file stem>-<line>``). A bad row is either an error naming the file and line (``on_bad_row="error"``,
+the default: nothing is silently dropped) or skipped and counted (``"skip"``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from pivotrl.errors import UserError
+from pivotrl.tasks.base import Problem
+
+
+@dataclass
+class LoadedDataset:
+    problems: list[Problem]
+    skipped: int = 0
+    skipped_examples: list[str] = field(default_factory=list)
+
+
+def _row_problem(row: Any, where: str, default_uid: str) -> Problem:
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: row must be an object, got {type(row).__name__}")
+    for key in ("prompt", "answer"):
+        value = row.get(key)
+        if not isinstance(value, str) or not value.strip():
+            raise ValueError(f"{where}: field '{key}' must be a non-empty string")
+    uid = row.get("uid", default_uid)
+    meta = {k: v for k, v in row.items() if k not in ("prompt", "answer", "uid")}
+    return Problem(uid=str(uid), prompt=row["prompt"], answer=row["answer"], meta=meta)
+
+
+def _jsonl_rows(path: Path):
+    with path.open("r", encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                yield where, lineno, json.loads(line)
+            except json.JSONDecodeError as exc:
+                yield where, lineno, ValueError(f"{where}: invalid JSON ({exc.msg})")
+
+
+def _parquet_rows(path: Path):
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(path)
+    except Exception as exc:  # pyarrow raises several types for unreadable files
+        raise UserError(f"{path}: not a readable parquet file ({exc})") from None
+    for i, row in enumerate(table.to_pylist(), start=1):
+        yield f"{path}: row {i}", i, row
+
+
+def load_dataset(path: str | Path, on_bad_row: Literal["error", "skip"] = "error") -> LoadedDataset:
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"{p}: dataset file not found")
+    suffix = p.suffix.lower()
+    if suffix in (".jsonl", ".json"):
+        rows = _jsonl_rows(p)
+    elif suffix in (".parquet", ".pq"):
+        rows = _parquet_rows(p)
+    else:
+        raise UserError(f"{p}: unknown dataset format (use .jsonl or .parquet)")
+    out = LoadedDataset(problems=[])
+    for where, index, row in rows:
+        try:
+            if isinstance(row, Exception):
+                raise row
+            out.problems.append(_row_problem(row, where, default_uid=f"{p.stem}-{index}"))
+        except ValueError as exc:
+            if on_bad_row == "error":
+                raise UserError(str(exc)) from None
+            out.skipped += 1
+            if len(out.skipped_examples) < 5:
+                out.skipped_examples.append(str(exc))
+    if not out.problems:
+        raise UserError(f"{p}: no valid rows ({out.skipped} skipped)")
+    return out
