@@ -20,14 +20,14 @@ $(VENV)/.installed: pyproject.toml Makefile
 	@touch $@
 
 test: setup
-	$(PY) -m ruff check pivotrl tests benchmarks pipelines
+	$(PY) -m ruff check .
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 test-all: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 lint: setup
-	$(PY) -m ruff check pivotrl tests benchmarks pipelines
+	$(PY) -m ruff check .
 
 demo: setup
 	$(VENV)/bin/pivotrl-pipeline submit configs/quickstart.yaml
