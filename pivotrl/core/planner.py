@@ -9,7 +9,8 @@ work) to where they would be busy.
 1. Shift-up role u = argmax τ_r, τ_r = W_r / T_r (remaining tokens over current tokens/s; ∞ for a role
    with work and no active replica). If u cannot use a device (a tail of fewer sequences than replicas:
    no candidate clears step 5), the next role in τ order is tried.
-2. Donors: every active, out-of-cooldown replica j of every other role d (and every free device, φ = 0),
+2. Donors: every active, out-of-cooldown replica j of every other role d (and every free device, φ = 0;
+   a role with work keeps at least one replica, so no sequence is stranded),
    with penalty φ_j = shift_duration(d→u)·f_j(n_j)·w_d (work it stops doing while it shifts) +
    g_d · context_j / prefill_rate_d (re-prefill of the sequences it hands back). Idle replicas are cheap.
 3. Candidates by dynamic programming over donor roles, state = devices freed so far: for each x, the best
@@ -169,6 +170,15 @@ def tau(views: dict[Role, RoleView]) -> dict[Role, float]:
     return out
 
 
+def keep_limit(views: dict[Role, RoleView], role: Role | None) -> int:
+    """How many replicas role `role` may give up: all but one while it has (or is about to get) work, so
+    a plan never strands sequences with no replica to run them."""
+    if role is None:
+        return 1 << 30
+    v = views[role]
+    return v.replicas - 1 if v.seqs + v.arriving_seqs > 0 else v.replicas
+
+
 def donor_penalty(rep: Replica, view: RoleView, costs: ShiftCostModel, to_role: Role,
                   prefill_rate: float) -> float:
     dur = costs.duration(rep.role, to_role)
@@ -201,8 +211,8 @@ def plan(state: ClusterState, costs: ShiftCostModel, now: float) -> PlanResult:
     for u in order:
         res = plan_for(state, costs, now, views, u, threshold)
         tried.append(f"{u}: {res.reasoning.note}")
-        if first is None:
-            first = res
+        if first is None or (not first.reasoning.candidates and res.reasoning.candidates):
+            first = res  # with nothing chosen, show the most-behind role that had candidates
         if res.chosen is not None:
             first = res
             break
@@ -260,7 +270,7 @@ def plan_for(state: ClusterState, costs: ShiftCostModel, now: float, views: dict
     layer_loss: list[np.ndarray] = []
     layer_phi: list[np.ndarray] = []
     for role, g, donors in layers:
-        kmax = min(len(donors), max_x // g)
+        kmax = min(len(donors), max_x // g, keep_limit(views, role))
         phi = np.concatenate([[0.0], np.cumsum([x.penalty for x in donors[:kmax]])])
         if role is None:
             loss = np.zeros(kmax + 1)

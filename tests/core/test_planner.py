@@ -100,6 +100,9 @@ def brute_force_best(stt: ClusterState, costs: ShiftCostModel, now: float, u: Ro
         if x == 0 or x % vu.g or x > max_x:
             continue
         ks = {r: sum(1 for d, _, _ in chosen if d is r) for r in stt.roles}
+        if any(k and views[r].seqs + views[r].arriving_seqs > 0 and k >= views[r].replicas
+               for r, k in ks.items()):
+            continue  # would strand that role's work
         gain = vu.processed(vu.replicas + x // vu.g) - vu.processed(vu.replicas)
         for r, k in ks.items():
             if r is not u and k:
@@ -127,7 +130,8 @@ def test_dp_matches_brute_force_and_never_returns_nonpositive_benefit(seed: int)
         bf_r = brute_force_best(stt, costs, now, r)
         assert bf_r is None or not bf_r > max(threshold, 1e-12)
     if res.chosen is None:
-        assert res.to_role is order[0]
+        with_cands = [r for r in order if brute_force_best(stt, costs, now, r) is not None]
+        assert res.to_role is (with_cands[0] if with_cands else order[0])
     bf = brute_force_best(stt, costs, now, res.to_role)
     if bf is None:
         assert not res.reasoning.candidates
