@@ -23,6 +23,27 @@ from .helpers import active_state, config, seq
 ROLES = (Role.ROLLOUT, Role.REWARD, Role.TRAIN)
 
 
+def donation_allowed(views, d: Role, u: Role, k: int, slack: float) -> bool:
+    """The donor rule, restated directly: keep a replica while there is work; upstream donors give only
+    spare capacity (≤ slack of their throughput); downstream ones let τ_d grow up to τ_u(m_u + 1)."""
+    v, vu = views[d], views[u]
+    if v.seqs + v.arriving_seqs > 0 and k >= v.replicas:
+        return False
+    work_d = v.work + v.arriving_work
+    if work_d <= 0:
+        return True
+    base = v.throughput(v.replicas)
+    tau_u = (vu.work + vu.arriving_work) / max(vu.throughput(vu.replicas + 1), 1e-300)
+    for j in range(1, k + 1):
+        t_new = v.throughput(v.replicas - j)
+        if ROLES.index(d) < ROLES.index(u):
+            if not (t_new >= base * (1 - slack) and (v.replicas - j) * v.cap >= v.seqs + v.arriving_seqs):
+                return False
+        elif not (t_new >= base * (1 - 1e-12) or work_d <= tau_u * t_new):
+            return False
+    return True
+
+
 def random_state(seed: int) -> tuple[ClusterState, ShiftCostModel, float]:
     """A small random cluster (≤ 8 replicas, a few free devices) with random load, fits and shift costs."""
     rng = random.Random(seed)
@@ -124,9 +145,8 @@ def _brute_force(stt: ClusterState, costs: ShiftCostModel, now: float, u: Role) 
         if x == 0 or x % vu.g or x > max_x:
             continue
         ks = {r: sum(1 for d, _, _ in chosen if d is r) for r in stt.roles}
-        if any(k and views[r].seqs + views[r].arriving_seqs > 0 and k >= views[r].replicas
-               for r, k in ks.items()):
-            continue  # would strand that role's work
+        if any(k and not donation_allowed(views, r, u, k, cfg.upstream_slack) for r, k in ks.items()):
+            continue  # would strand that role's work, or make it a worse bottleneck than u
         gain = processed(u, vu.replicas + x // vu.g) - processed(u, vu.replicas)
         for r, k in ks.items():
             if r is not u and k:
