@@ -37,7 +37,15 @@ def donation_allowed(views, d: Role, u: Role, k: int, slack: float) -> bool:
     for j in range(1, k + 1):
         t_new = v.throughput(v.replicas - j)
         if ROLES.index(d) < ROLES.index(u):
-            if not (t_new >= base * (1 - slack) and (v.replicas - j) * v.cap >= v.seqs + v.arriving_seqs):
+            m = v.replicas - j
+            n = v.seqs + v.arriving_seqs
+
+            def step(mm: int, n: float = n) -> float:
+                busy = min(mm, n)
+                return v.a + v.b * v.k * (min(v.cap, n / busy) if busy > 0 else 0.0)
+
+            if not (t_new >= base * (1 - slack) and m * v.cap >= n
+                    and step(m) <= step(v.replicas) * (1 + slack)):
                 return False
         elif not (t_new >= base * (1 - 1e-12) or work_d <= tau_u * t_new):
             return False
@@ -307,3 +315,23 @@ def test_reasoning_is_json_ready() -> None:
     d = res.reasoning.as_dict()
     json.dumps(d)
     assert d["chosen"]["B"] > 0 and {"G", "phi", "B"} <= set(d["candidates"][0])
+
+
+def test_upstream_gives_only_spare_capacity() -> None:
+    """A saturated rollout stage (work queued) keeps its devices even for a starving reward stage; once its
+    sequences fit on fewer replicas, the spare ones go."""
+    cfg = config(horizon_s=10.0, cooldown_s=0.0)
+    stt = active_state(cfg, {Role.ROLLOUT: 4})
+    for i in range(40):  # 4 replicas × 8 slots = 32 < 40: a queue
+        stt.admit(seq(f"r{i}", Role.ROLLOUT, max_new=300, expected_new_tokens=200), 0.0)
+    for i in range(20):
+        stt.admit(seq(f"j{i}", Role.REWARD, max_new=300, expected_new_tokens=200), 0.0)
+    dispatch_all(stt)
+    res = plan(stt, ShiftCostModel(prior_s=1.0), 10.0)
+    assert res.chosen is None or all(d.role is not Role.ROLLOUT for d in res.donors)
+    for s in [s for s in stt.seqs.values() if s.role is Role.ROLLOUT][:30]:
+        stt.finish(s, 11.0)  # 10 left: they fit on 2 replicas
+    dispatch_all(stt)
+    res = plan(stt, ShiftCostModel(prior_s=1.0), 12.0)
+    assert res.to_role is Role.REWARD and res.chosen is not None
+    assert 1 <= sum(1 for d in res.donors if d.role is Role.ROLLOUT) <= 3
