@@ -335,3 +335,27 @@ def test_upstream_gives_only_spare_capacity() -> None:
     res = plan(stt, ShiftCostModel(prior_s=1.0), 12.0)
     assert res.to_role is Role.REWARD and res.chosen is not None
     assert 1 <= sum(1 for d in res.donors if d.role is Role.ROLLOUT) <= 3
+
+
+def test_tau_and_upstream_work_in_views() -> None:
+    """Step 1's τ and step 4's upstream arrivals: unsubmitted rollouts count as rollout work; reward and
+    train see what their upstream will finish within H at the current allocation."""
+    cfg = config(horizon_s=10.0)
+    stt = active_state(cfg, {Role.ROLLOUT: 2, Role.REWARD: 1})
+    for i in range(8):
+        stt.admit(seq(f"r{i}", Role.ROLLOUT, max_new=200, expected_new_tokens=100), 0.0)
+    dispatch_all(stt)
+    stt.plan = IterationPlan(0, rollout_seqs=12, group_size=4, rollout_tokens_per_seq=100,
+                             reward_tokens_per_rollout=50, train_tokens_per_group=400)
+    views = role_views(stt, 10.0)
+    ro, rw, tr = views[Role.ROLLOUT], views[Role.REWARD], views[Role.TRAIN]
+    assert ro.arriving_seqs == 4 and ro.arriving_work == pytest.approx(400)
+    assert ro.work == pytest.approx(800)
+    done = min(1.0, ro.throughput(2) * 10.0 / 1200) * 12
+    assert rw.arriving_seqs == pytest.approx(done) and rw.arriving_work == pytest.approx(done * 50)
+    assert tr.arriving_work > 0  # judged groups will become train work
+    t = tau(views)
+    assert t[Role.ROLLOUT] == pytest.approx(800 / ro.rate)
+    assert t[Role.REWARD] == 0.0 and t[Role.TRAIN] == 0.0  # no work of their own yet
+    stt.by_role[Role.ROLLOUT].clear()  # work and no replica: infinitely behind
+    assert tau(role_views(stt, 10.0))[Role.ROLLOUT] == math.inf
