@@ -1,0 +1,459 @@
+"""The five-step shift planner (DESIGN §4): when to shift, which devices, to which role.
+
+Units. Roles produce different tokens (a train token is far cheaper than a decoded one), so G and φ are
+counted in *device-seconds of work at peak*: tokens of role r × w_r, where w_r = g_r / f̄_r(max_seqs) is the
+device time one token costs on a saturated replica. A shift then pays exactly when it moves devices from
+where they would idle or run inefficiently (a long tail at low concurrency, a stage starved of upstream
+work) to where they would be busy.
+
+1. Shift-up role u = argmax τ_r, τ_r = W_r / T_r (remaining tokens over current tokens/s; ∞ for a role
+   with work and no active replica). If u cannot use a device (a tail of fewer sequences than replicas:
+   no candidate clears step 5), the next role in τ order is tried.
+2. Donors: every active, out-of-cooldown replica j of every other role d (and every free device, φ = 0;
+   a role with work keeps at least one replica, so no sequence is stranded; a role upstream of u gives
+   up only spare capacity; a downstream one no more than keeps its drain time within u's — `keep_limit`),
+   with penalty φ_j = shift_duration(d→u)·f_j(n_j)·w_d (work it stops doing while it shifts) +
+   g_d · context_j / prefill_rate_d (re-prefill of the sequences it hands back). Idle replicas are cheap.
+3. Candidates by dynamic programming over donor roles, state = devices freed so far: for each x, the best
+   mix of k_d donors per role, each role's k_d taken cheapest-φ first, scoring −(work role d loses over H)
+   − Σφ. One candidate per x that is a multiple of g_u.
+4. G(x) = work the roles do over H after the shift minus before. Each role's output is its replicas' rate
+   (role-shared fit, sequences spread evenly, capped by slots) × H, softly capped (W·(1 − e^{−T·H/W})) by
+   the work W it has plus what its upstream will hand it within H at the current allocation. Because each
+   role's term depends only on its own replica count, the DP in step 3 is exact (tests compare it with brute
+   force over subsets).
+5. Select, among candidates whose B = G − φ clears the margin B > hysteresis × H × (devices moved), the one
+   with the largest B. The margin is per device moved, so a small critical move is as easy as a large one;
+   a role with work and no replica at all needs only B > 0.
+
+Cost: O(I log I) for the snapshot and sorting, O(K·D) vectorised numpy work for the DP; nothing walks
+sequences (the state keeps per-role and per-replica aggregates), so planning time does not grow with NSeq.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+from pivotrl.core.shiftcost import ShiftCostModel
+from pivotrl.core.state import ClusterState
+from pivotrl.core.types import PIPELINE, Candidate, PlanReasoning, Replica, ReplicaState, Role
+
+
+@dataclass(frozen=True)
+class RoleView:
+    """Aggregates of one role at planning time (all O(1) reads of the state, plus O(I_r) for rates)."""
+
+    role: Role
+    g: int
+    replicas: int          # active + shifting (shifting ones will serve soon)
+    rate: float            # Σ f_i(n_i) over active replicas, tokens/s
+    seqs: float            # live sequences (waiting + running)
+    work: float            # expected remaining tokens of live sequences
+    arriving_seqs: float   # sequences upstream will hand over within H
+    arriving_work: float   # their tokens
+    a: float
+    b: float
+    k: float               # work per sequence per step (1 for decode)
+    cap: float             # sequences per replica (slots, and KV at the role's mean footprint)
+    weight: float          # device-seconds per token at peak
+    horizon: float
+
+    def throughput(self, m: float) -> float:
+        """Tokens/s of `m` replicas holding this role's sequences, spread evenly (role-shared fit)."""
+        n = self.seqs + self.arriving_seqs
+        if m <= 0 or n <= 0:
+            return 0.0
+        busy = min(m, n)
+        conc = min(self.cap, n / busy)
+        x = conc * self.k
+        return busy * x / (self.a + self.b * x)
+
+    def step_many(self, ms: np.ndarray) -> np.ndarray:
+        """Engine step time with the role's sequences spread evenly over `ms` replicas."""
+        n = self.seqs + self.arriving_seqs
+        busy = np.minimum(ms.astype(float), n)
+        conc = np.where(busy > 0, np.minimum(self.cap, n / np.maximum(busy, 1e-12)), 0.0)
+        return self.a + self.b * conc * self.k
+
+    def throughput_many(self, ms: np.ndarray) -> np.ndarray:
+        n = self.seqs + self.arriving_seqs
+        ms = ms.astype(float)
+        if n <= 0:
+            return np.zeros_like(ms)
+        busy = np.minimum(ms, n)
+        conc = np.minimum(self.cap, n / np.maximum(busy, 1e-12))
+        x = conc * self.k
+        return np.where(ms > 0, busy * x / (self.a + self.b * x), 0.0)
+
+    def processed(self, m: float) -> float:
+        """Device-seconds of work done over H by `m` replicas, softly capped by the work available.
+
+        W·(1 − exp(−T·H/W)) is the expected work done when the sequences' remaining lengths are spread
+        (exponentially) around their mean: ≈ T·H while work is plentiful, → W when it is scarce, and never
+        flat before W — so finishing a tail sooner (more replicas, shorter steps) still counts, and packing a
+        tail onto fewer replicas is never free. Concave in m, which keeps the DP exact and monotone.
+        """
+        total = self.work + self.arriving_work
+        if total <= 0:
+            return 0.0
+        return total * -math.expm1(-self.throughput(m) * self.horizon / total) * self.weight
+
+    def processed_many(self, ms: np.ndarray) -> np.ndarray:
+        thr = self.throughput_many(ms)
+        total = self.work + self.arriving_work
+        if total <= 0:
+            return np.zeros_like(ms)
+        return total * -np.expm1(-thr * self.horizon / total) * self.weight
+
+
+def role_views(state: ClusterState, horizon: float) -> dict[Role, RoleView]:
+    cfg = state.config
+    base: dict[Role, dict] = {}
+    for role in state.roles:
+        spec = cfg.spec(role)
+        model = state.role_models[role]
+        reps = state.by_role[role]
+        rate = 0.0
+        for rep in reps.values():
+            if rep.state is ReplicaState.ACTIVE and rep.running:
+                rate += rep.model.rate(rep.n)
+        n = state.n_seqs[role]
+        mean_kv = state.kv_sum[role] / n if n else 0.0
+        cap = float(spec.max_seqs)
+        if mean_kv > 0:
+            cap = max(1.0, min(cap, math.floor(spec.kv_tokens / mean_kv)))
+        peak = model.rate(spec.max_seqs)
+        base[role] = dict(role=role, g=spec.devices_per_replica, replicas=len(reps), rate=rate, seqs=float(n),
+                          work=max(state.remaining[role], 0.0), a=model.a, b=model.b,
+                          k=model.tokens_per_seq_step, cap=cap,
+                          weight=spec.devices_per_replica / peak if peak > 0 else 0.0, horizon=horizon)
+    _add_upstream(state, base, horizon)
+    return {r: RoleView(**v) for r, v in base.items()}
+
+
+def _add_upstream(state: ClusterState, base: dict[Role, dict], horizon: float) -> None:
+    """Work each role will receive within H from upstream, at the current allocation (pipeline order)."""
+    for v in base.values():
+        v["arriving_seqs"] = 0.0
+        v["arriving_work"] = 0.0
+    plan = state.plan
+    if plan is None or not all(r in base for r in PIPELINE):
+        return
+    ro, rw, tr = (base[r] for r in PIPELINE)
+    unsubmitted = max(plan.rollout_seqs - state.submitted[Role.ROLLOUT], 0)
+    ro["arriving_seqs"] = float(unsubmitted)
+    ro["arriving_work"] = unsubmitted * plan.rollout_tokens_per_seq
+
+    def completions(v: dict) -> float:
+        view = RoleView(**v)
+        total_work = view.work + view.arriving_work
+        total_seqs = view.seqs + view.arriving_seqs
+        if total_work <= 0 or total_seqs <= 0:
+            return 0.0
+        frac = min(1.0, view.throughput(view.replicas) * horizon / total_work)
+        return frac * total_seqs
+
+    done_rollouts = completions(ro)
+    rw["arriving_seqs"] = done_rollouts
+    rw["arriving_work"] = done_rollouts * plan.reward_tokens_per_rollout
+    groups = completions(rw) / max(plan.group_size, 1)
+    tr_tokens = groups * plan.train_tokens_per_group
+    per_item = (tr["work"] / tr["seqs"]) if tr["seqs"] > 0 else plan.train_tokens_per_group / max(
+        plan.group_size, 1)
+    tr["arriving_work"] = tr_tokens
+    tr["arriving_seqs"] = tr_tokens / per_item if per_item > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class Donor:
+    replica_id: str | None   # None for a free device
+    device: str | None       # set for a free device
+    role: Role | None
+    devices: int
+    penalty: float
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    reasoning: PlanReasoning
+    chosen: Candidate | None
+    donors: tuple[Donor, ...]   # of the chosen candidate
+    to_role: Role | None
+
+
+@dataclass(frozen=True)
+class DonorPool:
+    """The eligible donors of one role (None: free devices), sorted by id, with the two parts of φ:
+    `lost` = work per second of shift it stops doing (rate × w, device-seconds/s) and `reprefill`."""
+
+    role: Role | None
+    g: int
+    ids: tuple[str, ...]
+    lost: np.ndarray
+    reprefill: np.ndarray
+
+
+def tau(views: dict[Role, RoleView]) -> dict[Role, float]:
+    out = {}
+    for r, v in views.items():
+        if v.work <= 0:
+            out[r] = 0.0
+        elif v.rate <= 0:
+            out[r] = math.inf
+        else:
+            out[r] = v.work / v.rate
+    return out
+
+
+def keep_limit(views: dict[Role, RoleView], role: Role | None, to_role: Role | None = None,
+               slack: float = 0.1) -> int:
+    """How many replicas role `role` may give up to `to_role`.
+
+    * All but one while it has (or is about to get) work, so a plan never strands sequences.
+    * Upstream first: a role upstream of the receiver (rollout for reward or train, reward for train) gives
+      up only spare capacity: replicas whose loss leaves room for all its sequences (nothing queues) and
+      costs it at most `slack` of its throughput and of its step time (idle replicas, a tail spread
+      thinly). Everything
+      downstream waits on upstream output, so while rollout can keep its devices busy, taking them only
+      delays the whole iteration; its tail's spare capacity is what flows downstream.
+    * A downstream donor gives up no more than keeps it from becoming the new bottleneck: its drain time
+      τ_d(m_d − k) may only grow up to the receiver's with one more replica, τ_u(m_u + 1).
+    """
+    if role is None:
+        return 1 << 30
+    v = views[role]
+    limit = v.replicas - 1 if v.seqs + v.arriving_seqs > 0 else v.replicas
+    if to_role is None or limit <= 0:
+        return max(limit, 0)
+    work_d = v.work + v.arriving_work
+    if work_d <= 0:
+        return limit
+    ms = np.arange(v.replicas, v.replicas - limit - 1, -1)
+    thr = v.throughput_many(ms)
+    # Spare: the remaining replicas still hold every sequence (nothing queues), at ≤ `slack` cost in
+    # throughput and in step time (each sequence's speed: a long-tailed stage ends with its longest one).
+    # (Measured against an absolute "unloaded step" instead, rollout kept every device until its very
+    # tail and the paper-32gpu simulation lost the overlap: 340 s vs 295 s per iteration.)
+    step = v.step_many(ms)
+    spare = ((ms * v.cap >= v.seqs + v.arriving_seqs) & (thr >= thr[0] * (1 - slack))
+             & (step <= step[0] * (1 + slack)))
+    upstream = role in PIPELINE and to_role in PIPELINE and PIPELINE.index(role) < PIPELINE.index(to_role)
+    if upstream:
+        ok = spare
+    else:
+        vu = views[to_role]
+        tau_u = (vu.work + vu.arriving_work) / max(vu.throughput(vu.replicas + 1), 1e-300)
+        ok = (thr >= thr[0] * (1 - 1e-12)) | (work_d <= tau_u * thr)
+    ok[0] = True  # giving nothing is always allowed
+    bad = np.flatnonzero(~ok)
+    return int(bad[0] - 1) if bad.size else limit
+
+
+def donor_penalty(rep: Replica, view: RoleView, costs: ShiftCostModel, to_role: Role,
+                  prefill_rate: float) -> float:
+    """φ of one replica (the scalar form of what `donor_pools` computes in bulk)."""
+    dur = costs.duration(rep.role, to_role)
+    lost = dur * rep.model.rate(rep.n) * view.weight
+    reprefill = view.g * rep.context / prefill_rate if prefill_rate > 0 else 0.0
+    return lost + reprefill
+
+
+def donor_pools(state: ClusterState, views: dict[Role, RoleView], now: float) -> list[DonorPool]:
+    """Step 2's inputs, once per planning call: active, out-of-cooldown replicas per role, free devices."""
+    cfg = state.config
+    pools: list[DonorPool] = []
+    free = sorted(state.free_devices())
+    if free:
+        pools.append(DonorPool(None, 1, tuple(free), np.zeros(len(free)), np.zeros(len(free))))
+    shifted = state.device_shifted_at
+    cutoff = now - cfg.cooldown_s
+    for role in state.roles:
+        view = views[role]
+        prefill = cfg.spec(role).prefill_tokens_per_s
+        ids: list[str] = []
+        lost: list[float] = []
+        ctx: list[float] = []
+        for rid in sorted(state.by_role[role]):
+            rep = state.by_role[role][rid]
+            if rep.state is not ReplicaState.ACTIVE:
+                continue
+            recent = False
+            for dev in rep.devices:
+                if shifted.get(dev, -math.inf) > cutoff:
+                    recent = True
+                    break
+            if recent:
+                continue
+            ids.append(rid)
+            lost.append(rep.model.rate(rep.n) * view.weight if rep.running else 0.0)
+            ctx.append(rep.context)
+        if ids:
+            re = np.asarray(ctx, dtype=float) * (view.g / prefill if prefill > 0 else 0.0)
+            pools.append(DonorPool(role, view.g, tuple(ids), np.asarray(lost), re))
+    return pools
+
+
+def plan(state: ClusterState, costs: ShiftCostModel, now: float) -> PlanResult:
+    """Run the five steps. Roles are tried as shift-up role in decreasing τ; the first whose best candidate
+    clears the margin wins. (A role can be furthest behind yet unable to use a device — a tail of fewer
+    sequences than replicas — in which case the next role in τ order gets the devices.)"""
+    cfg = state.config
+    views = role_views(state, cfg.horizon_s)
+    taus = tau(views)
+    work = {str(r): v.work for r, v in views.items()}
+    thr = {str(r): v.rate for r, v in views.items()}
+    tau_s = {str(r): t for r, t in taus.items()}
+    threshold = cfg.hysteresis * cfg.horizon_s   # margin per device moved (device-seconds)
+
+    # Step 1: roles with work, furthest behind first.
+    order = sorted((r for r in views if views[r].work > 0), key=lambda r: (-taus[r], -views[r].work,
+                                                                            state.roles.index(r)))
+    if not order:
+        return PlanResult(PlanReasoning(now, tau_s, thr, work, None, (), None, threshold, "no role has work"),
+                          None, (), None)
+    pools = donor_pools(state, views, now)
+    shown: _Evaluation | None = None
+    tried: list[str] = []
+    for u in order:
+        ev = plan_for(state, costs, views, pools, u, threshold)
+        tried.append(f"{u}: {ev.note}")
+        if shown is None or (shown.xs.size == 0 and ev.xs.size > 0):
+            shown = ev  # with nothing chosen, show the most-behind role that had candidates
+        if ev.donors:
+            shown = ev
+            break
+    assert shown is not None
+    cands, chosen = shown.candidates()
+    reasoning = PlanReasoning(now, tau_s, thr, work, str(shown.role), cands, chosen, shown.margin,
+                              "; ".join(tried))
+    return PlanResult(reasoning, chosen, shown.donors, shown.role)
+
+
+@dataclass
+class _Evaluation:
+    """Steps 2-5 for one shift-up role, kept as arrays; Candidate objects are built only for the one shown."""
+
+    role: Role
+    g: int
+    note: str
+    margin: float = 0.0   # per device moved
+    xs: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    k_of: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), dtype=np.int64))
+    names: tuple[str, ...] = ()
+    gain: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    phi: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    best: int = -1
+    donors: tuple[Donor, ...] = ()
+
+    def candidates(self) -> tuple[tuple[Candidate, ...], Candidate | None]:
+        cands = [Candidate(x, (), {n: k for n, k in zip(self.names, kk) if k}, x // self.g, gv, pv)
+                 for x, kk, gv, pv in zip(self.xs.tolist(), self.k_of.T.tolist(), self.gain.tolist(),
+                                          self.phi.tolist())]
+        chosen = None
+        if self.donors:
+            b = cands[self.best]
+            chosen = Candidate(b.devices, tuple(d.replica_id or d.device or "" for d in self.donors),
+                               b.donors_per_role, b.new_replicas, b.gain, b.penalty)
+            cands[self.best] = chosen
+        return tuple(cands), chosen
+
+
+def plan_for(state: ClusterState, costs: ShiftCostModel, views: dict[Role, RoleView],
+             pools: list[DonorPool], u: Role, threshold: float) -> _Evaluation:
+    """Steps 2-5 for shift-up role `u`."""
+    cfg = state.config
+    vu = views[u]
+    # A role with work and no replica at all is starving: any positive B will do (no margin).
+    per_device = 0.0 if vu.replicas == 0 else threshold
+
+    # Step 2: penalties for moving to u, cheapest first per donor role (ties by id).
+    layers: list[tuple[DonorPool, np.ndarray, np.ndarray]] = []   # pool, order, sorted φ
+    for pool in pools:
+        if pool.role is u:
+            continue
+        phi = costs.duration(pool.role, u) * pool.lost + pool.reprefill
+        order = np.argsort(phi, kind="stable")
+        layers.append((pool, order, phi[order]))
+    if not layers:
+        return _Evaluation(u, vu.g, "no donor available", per_device)
+    total_devices = len(state.device_role)
+    max_x = sum(len(p.ids) * p.g for p, _, _ in layers)
+    max_x = min(max_x, math.floor(cfg.max_shift_fraction * total_devices + 1e-9))
+    if max_x < vu.g:
+        return _Evaluation(u, vu.g, "not enough movable devices", per_device)
+    # G can only shrink below u's own gain (donor losses and φ are never negative): skip hopeless roles.
+    xg = np.arange(vu.g, max_x + 1, vu.g)
+    raw = vu.processed_many(vu.replicas + xg // vu.g) - vu.processed(vu.replicas)
+    if not np.any(raw > np.maximum(per_device * xg, 1e-12)):
+        return _Evaluation(u, vu.g, "more devices cannot gain more than the margin", per_device)
+
+    # Step 3: DP over donor roles; state = devices freed so far. One vectorised (max, +) step per role.
+    neg = -math.inf
+    dp = np.full(max_x + 1, neg)
+    dp[0] = 0.0
+    xs_all = np.arange(max_x + 1)
+    picks: list[np.ndarray] = []
+    layer_loss: list[np.ndarray] = []
+    layer_phi: list[np.ndarray] = []
+    for pool, _, phi_sorted in layers:
+        g = pool.g
+        kmax = min(len(pool.ids), max_x // g, keep_limit(views, pool.role, u, cfg.upstream_slack))
+        phi = np.concatenate([[0.0], np.cumsum(phi_sorted[:kmax])])
+        ks = np.arange(kmax + 1)
+        if pool.role is None:
+            loss = np.zeros(kmax + 1)
+        else:
+            vd = views[pool.role]
+            loss = vd.processed(vd.replicas) - vd.processed_many(vd.replicas - ks)
+        val = -loss - phi
+        # Row k of the table is dp shifted right by k·g (−∞ where x < k·g) plus val[k]: strided views of a
+        # left-padded dp, so no index arrays are built.
+        padded = np.concatenate([np.full(kmax * g, neg), dp])
+        windows = sliding_window_view(padded, max_x + 1)[::g][kmax::-1]
+        table = windows + val[:, None]
+        pick = table.argmax(axis=0)   # first maximum: the fewest donors of this role on ties
+        dp = table[pick, xs_all]
+        picks.append(pick)
+        layer_loss.append(loss)
+        layer_phi.append(phi)
+
+    # Steps 4-5: G, φ, B per feasible x (backtracking all x at once); pick the best.
+    xs = np.arange(vu.g, max_x + 1, vu.g)
+    xs = xs[np.isfinite(dp[xs])]
+    if xs.size == 0:
+        return _Evaluation(u, vu.g, "no feasible candidate", per_device)
+    k_of = np.zeros((len(layers), xs.size), dtype=np.int64)
+    rest = xs.copy()
+    for li in range(len(layers) - 1, -1, -1):
+        k = picks[li][rest]
+        k_of[li] = k
+        rest = rest - k * layers[li][0].g
+    lost = np.zeros(xs.size)
+    phi_tot = np.zeros(xs.size)
+    for li in range(len(layers)):
+        lost += layer_loss[li][k_of[li]]
+        phi_tot += layer_phi[li][k_of[li]]
+    gain = vu.processed_many(vu.replicas + xs // vu.g) - vu.processed(vu.replicas) - lost
+    benefit = gain - phi_tot
+    names = tuple("free" if p.role is None else str(p.role) for p, _, _ in layers)
+    clears = benefit > np.maximum(per_device * xs, 1e-12)
+    if not clears.any():
+        return _Evaluation(u, vu.g, "no candidate beats the hysteresis margin", per_device, xs, k_of, names,
+                           gain, phi_tot, int(np.argmax(benefit)))
+    best_i = int(np.argmax(np.where(clears, benefit, -math.inf)))
+    ev = _Evaluation(u, vu.g, "", per_device, xs, k_of, names, gain, phi_tot, best_i)
+    chosen_donors: list[Donor] = []
+    for li in range(len(layers)):
+        pool, order, phi_sorted = layers[li]
+        for j in range(int(k_of[li, best_i])):
+            idx = int(order[j])
+            rid = None if pool.role is None else pool.ids[idx]
+            dev = pool.ids[idx] if pool.role is None else None
+            chosen_donors.append(Donor(rid, dev, pool.role, pool.g, float(phi_sorted[j])))
+    ev.note = "shift"
+    ev.donors = tuple(chosen_donors)
+    return ev

@@ -1,0 +1,108 @@
+"""Per-replica throughput model fitted online: step_time(x) ≈ a + b·x, tokens/s f(n) = x(n) / step_time(x(n)).
+
+Why a line: a decode step costs a fixed part (weights streamed once per step, kernel launches) plus a part
+that grows with the tokens in the batch (KV reads, activations); so tokens/s rises with concurrency and
+saturates at 1/b. That concavity is what makes "give the next sequence to the replica with the largest
+marginal gain" meaningful. Train steps follow the same shape in tokens per micro-batch.
+
+The fit is recency-weighted least squares over (x, step_time) samples. Before any data it is the prior line;
+while the samples show too little spread in x to see a slope (an engine that always runs full), it keeps the
+prior's shape scaled to match the measured step time, so it is never degenerate.
+A role keeps a shared model that sees every sample of its replicas; a new replica starts
+from a copy of it (`ThroughputModel.spawn`), so it is not assumed to be the cold prior.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+_MIN_A = 1e-6
+_MIN_B = 1e-9
+
+
+@dataclass
+class ThroughputModel:
+    prior_a: float
+    prior_b: float
+    tokens_per_seq_step: float = 1.0
+    decay: float = 0.95
+    prior_weight: float = 2.0
+    # Recency-weighted sufficient statistics of the measured samples (sum of w, w·x, w·x², w·t, w·x·t).
+    _s: list[float] = field(default_factory=lambda: [0.0] * 5)
+    _kx: list[float] = field(default_factory=lambda: [0.0, 0.0])  # weighted (x, n) for tokens per seq
+    samples: int = 0
+    a: float = 0.0
+    b: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.prior_a = max(float(self.prior_a), _MIN_A)
+        self.prior_b = max(float(self.prior_b), _MIN_B)
+        self._refit()
+
+    # -- learning ---------------------------------------------------------------------------------------
+    def observe(self, concurrency: int, step_time_s: float, tokens: float | None = None) -> None:
+        """Record one engine step: `concurrency` sequences, `tokens` work (defaults to one per sequence)."""
+        if concurrency <= 0 or not step_time_s > 0.0:
+            return
+        x = float(tokens) if tokens is not None else concurrency * self.tokens_per_seq_step
+        if x <= 0:
+            return
+        d = self.decay
+        s = self._s
+        for i in range(5):
+            s[i] *= d
+        s[0] += 1.0
+        s[1] += x
+        s[2] += x * x
+        s[3] += step_time_s
+        s[4] += x * step_time_s
+        self._kx[0] = self._kx[0] * d + x
+        self._kx[1] = self._kx[1] * d + concurrency
+        self.samples += 1
+        self._refit()
+
+    def _refit(self) -> None:
+        s0, s1, s2, s3, s4 = self._s
+        if s0 <= 0:
+            self.a, self.b = self.prior_a, self.prior_b
+        else:
+            mx, mt = s1 / s0, s3 / s0
+            var = max(s2 / s0 - mx * mx, 0.0)
+            if s0 >= self.prior_weight and var > (0.05 * mx) ** 2:
+                b = (s4 / s0 - mx * mt) / var
+                b = max(b, _MIN_B)
+                a = mt - b * mx
+                if a < _MIN_A:  # the data says "no fixed cost": keep the line through the mean
+                    a = _MIN_A
+                    b = max((mt - a) / mx, _MIN_B)
+            else:
+                # Too little spread in x to see a slope: keep the prior's shape, scaled to match the data.
+                scale = mt / (self.prior_a + self.prior_b * mx)
+                a, b = self.prior_a * scale, self.prior_b * scale
+            self.a, self.b = max(a, _MIN_A), max(b, _MIN_B)
+        if self._kx[1] > 0:
+            self.tokens_per_seq_step = self._kx[0] / self._kx[1]
+
+    def spawn(self) -> ThroughputModel:
+        """A model for a new replica: starts from this (role-shared) fit, then learns on its own."""
+        return ThroughputModel(self.a, self.b, self.tokens_per_seq_step, self.decay, self.prior_weight)
+
+    # -- prediction -------------------------------------------------------------------------------------
+    def step_time(self, n: float) -> float:
+        return self.a + self.b * n * self.tokens_per_seq_step
+
+    def rate(self, n: float) -> float:
+        """Tokens/s with `n` sequences running (0 when idle)."""
+        if n <= 0:
+            return 0.0
+        x = n * self.tokens_per_seq_step
+        return x / (self.a + self.b * x)
+
+    def marginal_gain(self, n: int) -> float:
+        """f(n+1) − f(n): what one more sequence adds. Positive and decreasing in n (f is concave)."""
+        return self.rate(n + 1) - self.rate(n)
+
+    @property
+    def peak_rate(self) -> float:
+        """Tokens/s as concurrency grows without bound (1/b)."""
+        return 1.0 / self.b
