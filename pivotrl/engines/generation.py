@@ -113,20 +113,28 @@ def keyed_uniform(seed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 def sample_tokens(
-    logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, uniform: torch.Tensor
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_p: torch.Tensor,
+    seed: torch.Tensor,
+    index: torch.Tensor,
 ) -> torch.Tensor:
-    """Vectorised sampling for a batch: greedy where temperature == 0, else top-p by inverse CDF."""
+    """Vectorised sampling for a batch: greedy where temperature == 0, else top-p by inverse CDF.
+
+    Row b uses the uniform `keyed_uniform(seed[b], index[b])`, so its draw depends on nothing else.
+    """
     tokens = logits.argmax(-1)
     sampled = temperature > 0
     if bool(sampled.any()):
         rows = sampled.nonzero().squeeze(1)
+        uniform = keyed_uniform(seed[rows], index[rows])
         scaled = logits[rows] / temperature[rows, None]
         probs = torch.softmax(scaled, dim=-1)
         sorted_p, order = probs.sort(dim=-1, descending=True)
         before = sorted_p.cumsum(-1) - sorted_p
         kept = torch.where(before < top_p[rows, None], sorted_p, torch.zeros_like(sorted_p))
         cdf = kept.cumsum(-1)
-        target = uniform[rows, None] * cdf[:, -1:]
+        target = uniform[:, None] * cdf[:, -1:]
         pick = (cdf < target).sum(-1).clamp_max(logits.shape[-1] - 1)
         tokens[rows] = order.gather(1, pick[:, None]).squeeze(1)
     return tokens
@@ -421,8 +429,7 @@ class GenerationEngine:
     def _sample_and_finish(self, logits: torch.Tensor, n_old: int) -> list[GenResult]:
         b = logits.shape[0]
         n_gen = self.n_gen[:b]
-        uniform = keyed_uniform(self.seed[:b], n_gen)
-        tokens = sample_tokens(logits, self.temperature[:b], self.top_p[:b], uniform)
+        tokens = sample_tokens(logits, self.temperature[:b], self.top_p[:b], self.seed[:b], n_gen)
         logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None]).squeeze(1)
         rows = self.cache.rows[:b]
         self.gen_buf[rows, n_gen] = tokens
