@@ -20,15 +20,6 @@ from pivotrl.engines.model import CausalLM
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=40, stop_ids=())
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models on a shared 2-core box: more threads only oversubscribe (10x slower under load)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def model(debug_model_dir):
     return CausalLM.from_pretrained(debug_model_dir)
