@@ -141,7 +141,11 @@ def sample_tokens(
 
 
 class GenerationEngine:
-    """Continuous batching over a compact model on one device. See the module docstring."""
+    """Continuous batching over a compact model on one device. See the module docstring.
+
+    The engine takes over `model` (moves it to `device`, sets eval mode, packs its weights on CPU): give it
+    its own instance rather than the one a trainer is updating.
+    """
 
     def __init__(
         self,
@@ -311,6 +315,7 @@ class GenerationEngine:
         partials += self._ready
         self._ready = []
         self.cache = None
+        self.model.pack_for_inference(False)  # drop the packed weight copies held on the model
         self.model = None  # type: ignore[assignment]
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
