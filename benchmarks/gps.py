@@ -30,9 +30,10 @@ import numpy as np
 import torch
 
 
-def transformer_state_dict(layers: int = 16, hidden: int = 768, inter: int = 2048, kv: int = 256,
-                           vocab: int = 16000, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Qwen2-like shapes: bf16 projection matrices, fp32 embedding, norms and biases (~250 MB, 195 tensors)."""
+def transformer_state_dict(
+    layers: int = 16, hidden: int = 768, inter: int = 2048, kv: int = 256, vocab: int = 16000, seed: int = 0
+) -> dict[str, torch.Tensor]:
+    """Qwen2-like shapes: bf16 projections, fp32 embedding, norms and biases (~257 MB, 195 tensors)."""
     g = torch.Generator().manual_seed(seed)
 
     def rnd(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -74,8 +75,12 @@ def _resident_bytes(paths: list[Path]) -> int | None:
 
     if not shutil.which("fincore") or not paths:
         return None
-    out = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", *map(str, paths)],
-                         capture_output=True, text=True, check=False)
+    out = subprocess.run(
+        ["fincore", "--bytes", "--noheadings", "--output", "RES", *map(str, paths)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if out.returncode != 0:
         return None
     return sum(int(x) for x in out.stdout.split())
@@ -250,8 +255,11 @@ def main(argv: list[str] | None = None) -> int:
     for k in sorted(res["gbps"]):
         print(f"  {k:32s} {res['median_s'][k] * 1e3:9.1f} ms  {res['gbps'][k]:7.2f} GB/s")
     cold = res["cold"]
-    print(f"cold (page cache dropped: {cold['effective']}): fetch_vs_raw_read_cold="
-          f"{cold['fetch_vs_raw_read_cold']:.2f} fetch_vs_safetensors_cold={cold['fetch_vs_safetensors_cold']:.2f}")
+    print(
+        f"cold (page cache dropped: {cold['effective']}): fetch_vs_raw_read_cold="
+        f"{cold['fetch_vs_raw_read_cold']:.2f} "
+        f"fetch_vs_safetensors_cold={cold['fetch_vs_safetensors_cold']:.2f}"
+    )
     for k, v in res["extra"].items():
         print(f"  {k} = {v:.2f}")
     print("ratios (ours / theirs in bandwidth; higher is better):")

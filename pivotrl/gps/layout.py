@@ -173,6 +173,7 @@ def write_version(
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     data_id: str | None = None,
     hashes: dict[str, str] | None = None,
+    created: float | None = None,
 ) -> tuple[Manifest | None, Manifest]:
     """Write all data under a fresh prefix, then commit the manifest exclusively.
 
@@ -221,6 +222,7 @@ def write_version(
         data_id=data_id,
         tensors=tuple(TensorEntry(n, d, s, a, o, nb, hashes[n]) for n, d, s, a, o, nb, _ in rows),
         arrays=tuple(p.entry for p in packed.values()),
+        created=time.time() if created is None else created,
     )
     for dname in packed:
         getattr(backend, "sync_dir", lambda _p: None)(_jp(dpath, dname, "c"))

@@ -1,4 +1,4 @@
-"""`ParameterStore`: any process fetches any model's weights, at any version, from the fastest tier holding it.
+"""`ParameterStore`: any process fetches any model's weights, at any version, from its fastest tier.
 
 Tiers, one format (see `pivotrl.gps.layout`):
 
@@ -199,7 +199,7 @@ class ParameterStore:
         if self.device_tier.capacity > 0:
             self.device_tier.put(key, self._to_tier_device(snapshot), manifest.names, held=True)
         hashes = {t.name: t.xxh3 for t in manifest.tensors}
-        fut = self._bg.submit(self._persist_behind, model, version, snapshot, hashes, manifest.data_id)
+        fut = self._bg.submit(self._persist_behind, model, version, snapshot, hashes, manifest)
         self._bg_futures.append(fut)
         return manifest
 
@@ -223,11 +223,13 @@ class ParameterStore:
         version: int,
         snapshot: dict[str, torch.Tensor],
         hashes: dict[str, str],
-        data_id: str,
+        manifest: Manifest,
     ) -> None:
         key = (model, version)
         try:
-            self._persist(model, version, snapshot, hashes=hashes, data_id=data_id)
+            self._persist(
+                model, version, snapshot, hashes=hashes, data_id=manifest.data_id, created=manifest.created
+            )
         except BaseException as exc:
             self.device_tier.drop(key)
             with self._lock:
@@ -251,6 +253,7 @@ class ParameterStore:
         state_dict: Mapping[str, torch.Tensor],
         hashes: dict[str, str] | None,
         data_id: str | None,
+        created: float | None = None,
     ) -> Manifest:
         winner, ours = layout.write_version(
             self.persistent,
@@ -261,6 +264,7 @@ class ParameterStore:
             chunk_bytes=self.chunk_bytes,
             data_id=data_id,
             hashes=hashes,
+            created=created,
         )
         if winner is not None:
             raise VersionExistsError(
@@ -277,6 +281,7 @@ class ParameterStore:
                     chunk_bytes=self.chunk_bytes,
                     data_id=ours.data_id,
                     hashes={t.name: t.xxh3 for t in ours.tensors},
+                    created=ours.created,
                 )
         return ours
 
