@@ -98,7 +98,7 @@ def run(quick: bool, tmp_root: str | None) -> dict:
     from pivotrl.gps.layout import DEFAULT_CHUNK_BYTES
 
     torch.set_num_threads(1)
-    repeats = 7 if quick else 15
+    repeats = 11 if quick else 21
     sd = transformer_state_dict()
     nbytes = sum(t.numel() * t.element_size() for t in sd.values())
     raw = np.concatenate([t.reshape(-1).view(torch.uint8).numpy() for t in sd.values()])
@@ -251,7 +251,7 @@ def run(quick: bool, tmp_root: str | None) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="7 repeats instead of 15 (about a minute)")
+    ap.add_argument("--quick", action="store_true", help="11 repeats instead of 21 (about a minute)")
     ap.add_argument("--json", type=Path, help="write the results here")
     ap.add_argument("--tmp", default=None, help="directory for the temporary files (default: system tmp)")
     args = ap.parse_args(argv)

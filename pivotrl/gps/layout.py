@@ -30,11 +30,14 @@ import json
 import math
 import os
 import socket
+import threading
 import time
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Executor
 from dataclasses import dataclass
+from functools import partial
+from itertools import zip_longest
 
 import numpy as np
 import torch
@@ -159,8 +162,60 @@ def _chunk_buffers(members: list[tuple[str, memoryview]], chunk_bytes: int, nchu
     return chunks
 
 
-def _hash_all(mvs: list[memoryview]) -> list[str]:
-    return [xxhash.xxh3_64_hexdigest(mv) for mv in mvs]
+HASH_BATCH_BYTES = 32 << 20
+
+
+def _batches(items: list[tuple[str, memoryview]]) -> list[list[tuple[str, memoryview]]]:
+    """Group (name, bytes) into batches of about HASH_BATCH_BYTES: few jobs, yet enough to share out."""
+    out: list[list[tuple[str, memoryview]]] = [[]]
+    size = 0
+    for item in items:
+        if size >= HASH_BATCH_BYTES:
+            out.append([])
+            size = 0
+        out[-1].append(item)
+        size += item[1].nbytes
+    return out if out[0] else []
+
+
+def _hash_into(out: dict[str, str], batch: list[tuple[str, memoryview]]) -> None:
+    for name, mv in batch:
+        out[name] = xxhash.xxh3_64_hexdigest(mv)
+
+
+def run_jobs(pool: Executor, jobs: list[Callable[[], None]]) -> None:
+    """Run jobs on the pool's threads *and* the calling thread, which would otherwise sit idle waiting.
+
+    Workers pull jobs from a shared iterator, so big and small jobs balance out. Every job runs (or is
+    skipped after a failure) before this returns; the first exception is re-raised.
+    """
+    if len(jobs) <= 1:
+        for job in jobs:
+            job()
+        return
+    it = iter(jobs)
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+
+    def drain() -> None:
+        while True:
+            with lock:
+                job = next(it, None)
+            if job is None or errors:
+                return
+            try:
+                job()
+            except BaseException as exc:
+                errors.append(exc)
+                return
+
+    workers = min(len(jobs) - 1, getattr(pool, "_max_workers", 1))
+    futures = [pool.submit(drain) for _ in range(workers)]
+    drain()
+    for f in futures:
+        f.result()
+    if errors:
+        raise errors[0]
 
 
 def write_version(
@@ -185,36 +240,25 @@ def write_version(
     dpath = _jp(vpath, data_id)
     _ensure_groups(backend, model)
     rows, packed = _plan(state_dict, chunk_bytes)
-    futures = []
-    if hashes is None:
-        names = [r[0] for r in rows]
-        # Hash in a few batches, in parallel with the writes (xxhash releases the GIL on large inputs).
-        step = max(1, math.ceil(len(rows) / 2))
-        hash_futs = [
-            (names[i : i + step], pool.submit(_hash_all, [r[6] for r in rows[i : i + step]]))
-            for i in range(0, len(rows), step)
-        ]
+    jobs: list[Callable[[], None]] = []
+    computed: dict[str, str] = {}
     backend.makedirs(dpath)
     for dname, p in packed.items():
         apath = _jp(dpath, dname)
         backend.makedirs(_jp(apath, "c"))
         chunks = _chunk_buffers(p.members, p.entry.chunk_bytes, p.entry.nchunks)
         for i, bufs in enumerate(chunks):
-            futures.append(pool.submit(backend.write_file, _jp(apath, "c", str(i)), bufs))
+            jobs.append(partial(backend.write_file, _jp(apath, "c", str(i)), bufs))
         n_elems = p.entry.nchunks * p.chunk_elems
-        futures.append(
-            pool.submit(
-                backend.write_small,
-                _jp(apath, "zarr.json"),
-                array_json(p.entry.zarr_dtype, p.entry.itemsize, n_elems, p.chunk_elems),
-            )
-        )
+        meta = array_json(p.entry.zarr_dtype, p.entry.itemsize, n_elems, p.chunk_elems)
+        jobs.append(partial(backend.write_small, _jp(apath, "zarr.json"), meta))
     if hashes is None:
-        hashes = {}
-        for names_i, fut in hash_futs:
-            hashes.update(zip(names_i, fut.result()))
-    for f in futures:
-        f.result()
+        # Hash in batches of ~HASH_BATCH_BYTES interleaved with the chunk writes, so both proceed at once
+        # (xxhash and writev both release the GIL).
+        hash_jobs = [partial(_hash_into, computed, batch) for batch in _batches([(r[0], r[6]) for r in rows])]
+        jobs = [j for pair in zip_longest(jobs, hash_jobs) for j in pair if j is not None]
+    run_jobs(pool, jobs)
+    hashes = hashes if hashes is not None else computed
     backend.write_small(_jp(dpath, "zarr.json"), group_json())
     manifest = Manifest(
         model=model,
@@ -275,7 +319,7 @@ def read_tensors(
     by_array: dict[str, list[TensorEntry]] = {}
     for e in wanted:
         by_array.setdefault(e.array, []).append(e)
-    futures = []
+    jobs: list[Callable[[], None]] = []
     placed: list[tuple[TensorEntry, np.ndarray, int]] = []
     for aname, entries in by_array.items():
         entries.sort(key=lambda e: e.offset)
@@ -298,19 +342,15 @@ def read_tensors(
             while length:
                 ci, coff = divmod(src, arr.chunk_bytes)
                 take = min(length, arr.chunk_bytes - coff, piece_bytes)
-                futures.append(pool.submit(backend.read_into, _jp(apath, str(ci)), coff, mv[d : d + take]))
+                jobs.append(partial(backend.read_into, _jp(apath, str(ci)), coff, mv[d : d + take]))
                 src, d, length = src + take, d + take, length - take
-    for f in futures:
-        f.result()
+    run_jobs(pool, jobs)
     bad: list[str] = []
     if verify:
-        views = [memoryview(buf)[d : d + e.nbytes] for e, buf, d in placed]
-        step = max(1, math.ceil(len(views) / 2))
-        hfuts = [(i, pool.submit(_hash_all, views[i : i + step])) for i in range(0, len(views), step)]
-        for i, fut in hfuts:
-            for (e, _, _), h in zip(placed[i : i + step], fut.result()):
-                if h != e.xxh3:
-                    bad.append(e.name)
+        got: dict[str, str] = {}
+        views = [(e.name, memoryview(buf)[d : d + e.nbytes]) for e, buf, d in placed]
+        run_jobs(pool, [partial(_hash_into, got, batch) for batch in _batches(views)])
+        bad = [e.name for e, _, _ in placed if got[e.name] != e.xxh3]
     out: dict[str, torch.Tensor] = {}
     flats = {id(buf): torch.from_numpy(buf) for _, buf, _ in placed}
     for e, buf, d in placed:

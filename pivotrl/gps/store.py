@@ -23,11 +23,11 @@ import time
 import uuid
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from typing import Literal
 
 import numpy as np
 import torch
-import xxhash
 
 from pivotrl.gps import layout
 from pivotrl.gps.backend import Backend, LocalBackend, make_backend
@@ -104,7 +104,7 @@ class ParameterStore:
         self.stale_after_s = stale_after_s
         # Half the cores, at most 8: parallel preadv/writev/xxh3 help on a big node; on a busy 2-core box
         # extra threads only add context switches (measured with benchmarks.gps).
-        io_threads = io_threads or max(1, min(8, (os.cpu_count() or 2) // 2))
+        io_threads = io_threads or max(1, min(8, (os.cpu_count() or 2) // 2))  # + the calling thread
         self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="gps-io")
         self._bg = ThreadPoolExecutor(1, thread_name_prefix="gps-write-behind")
         self._bg_futures: list[Future] = []
@@ -240,9 +240,10 @@ class ParameterStore:
     def _snapshot_manifest(self, model: str, version: int, snap: dict[str, torch.Tensor]) -> Manifest:
         """The manifest that the background write will commit (same data_id, offsets and checksums)."""
         rows, packed = layout._plan(snap, self.chunk_bytes)
-        views = [r[6] for r in rows]
-        hashes = self._io.map(xxhash.xxh3_64_hexdigest, views)
-        tensors = tuple(TensorEntry(n, d, s, a, o, nb, h) for (n, d, s, a, o, nb, _), h in zip(rows, hashes))
+        hashes: dict[str, str] = {}
+        batches = layout._batches([(r[0], r[6]) for r in rows])
+        layout.run_jobs(self._io, [partial(layout._hash_into, hashes, b) for b in batches])
+        tensors = tuple(TensorEntry(n, d, s, a, o, nb, hashes[n]) for n, d, s, a, o, nb, _ in rows)
         return Manifest(
             model=model,
             version=version,
