@@ -10,8 +10,9 @@ cache with posix_fadvise(DONTNEED) (after fsync, outside the timing) and checks 
 pages really left the cache (on a VM the hypervisor may still cache the disk, so "cold" is a lower bound).
 
 The raw-read baseline is the faster (by median) of `numpy.fromfile` and one `preadv` of the whole file into a
-fresh numpy buffer (the allocator our fetch uses). Writes and reads run in separate phases with an untimed
-`os.sync()` before each, so that background writeback of one contender never lands in another's timing.
+fresh numpy buffer (the allocator our fetch uses). Writes and reads run in separate phases, in an order
+rotated every round, with an untimed `os.sync()` before every timed call, so that background writeback of
+one contender never lands in another's timing.
 One warm-up round is excluded from the medians.
 """
 
@@ -168,10 +169,11 @@ def run(quick: bool, tmp_root: str | None) -> dict:
         ]
         for r in range(repeats + 1):
             for ops in (write_ops, read_ops):
-                # Untimed: let the kernel write back every dirty page first, so that one contender's
-                # writeback (or the page reclaim/compaction it causes) never lands in another's timing.
-                os.sync()
-                for name, fn in ops:
+                # Rotate the order every round so no contender is always first or last.
+                for name, fn in ops[r % len(ops) :] + ops[: r % len(ops)]:
+                    # Untimed: write back every dirty page first, so that one contender's writeback (or
+                    # dirty-page throttling) never lands in another's timing.
+                    os.sync()
                     t0 = time.perf_counter()
                     fn()
                     if r:  # round 0 is the warm-up
@@ -186,6 +188,7 @@ def run(quick: bool, tmp_root: str | None) -> dict:
                 fn()
                 times.setdefault(name, []).append(time.perf_counter() - t0)
         for _ in range(repeats):
+            os.sync()
             t0 = time.perf_counter()
             publish_write_behind_return()
             times.setdefault("publish_write_behind_return", []).append(time.perf_counter() - t0)
