@@ -24,7 +24,7 @@ import uuid
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 import torch
@@ -42,6 +42,9 @@ from pivotrl.gps.manifest import (
     validate_version,
     version_dir,
 )
+
+if TYPE_CHECKING:
+    from pivotrl.config import GPSConfig
 
 VersionSpec = int | Literal["latest"]
 
@@ -112,6 +115,14 @@ class ParameterStore:
         self._pending: dict[tuple[str, int], tuple[dict[str, torch.Tensor], Manifest]] = {}
         self._lock = threading.Lock()
         self.stats = {"fallbacks": 0, "repairs": 0, "host_fills": 0}
+
+    @classmethod
+    def from_config(
+        cls, cfg: GPSConfig, storage_root: str | os.PathLike[str] = "storage", **kw
+    ) -> ParameterStore:
+        """Build from the pipeline config's `gps` section (root defaults to <storage_root>/gps)."""
+        root = cfg.root if cfg.root is not None else os.path.join(os.fspath(storage_root), "gps")
+        return cls(root, host_tier=cfg.host_tier, device_tier_bytes=cfg.device_tier_bytes, **kw)
 
     def __repr__(self) -> str:
         return f"ParameterStore({self.persistent!r}, host={self.host!r}, device={self.device_tier.device})"

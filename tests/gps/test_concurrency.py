@@ -138,3 +138,25 @@ def test_write_behind_loser_surfaces_on_flush(tmp_path):
             behind.flush()
         behind.flush()  # reported once, then cleared
         check_versioned(2, behind.fetch("m", 1))  # the loser's cached copy was dropped
+
+
+def test_two_writers_through_fsspec_file_url_exactly_one_wins(tmp_path):
+    url = f"file://{tmp_path}/remote"
+    barrier = threading.Barrier(3)
+    outcomes: list[str] = []
+
+    def write(i: int) -> None:
+        with ParameterStore(url, write_behind=False, device_tier_bytes=0) as s:
+            barrier.wait()
+            try:
+                s.publish("m", 2, versioned_state_dict(300 + i))
+                outcomes.append("won")
+            except VersionExistsError:
+                outcomes.append("lost")
+
+    threads = [threading.Thread(target=write, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sorted(outcomes) == ["lost", "lost", "won"]

@@ -125,3 +125,27 @@ def test_device_tier_serves_hits_and_stays_within_its_budget(tmp_path):
         assert store.device_tier.hits == hits + 1
         shared = store.fetch("m", 4, copy=False)["w"]
         assert shared.data_ptr() == store.fetch("m", 4, copy=False)["w"].data_ptr()
+
+
+def test_device_tier_merges_name_subsets(tmp_path):
+    sd = {f"t{i}": torch.full((10,), float(i)) for i in range(4)}
+    with ParameterStore(tmp_path, write_behind=False, device_tier_bytes=1 << 20) as store:
+        store.publish("m", 1, sd)
+        store.fetch("m", 1, names=["t0", "t1"])
+        misses = store.device_tier.misses
+        assert store.fetch("m", 1, names=["t1"])["t1"][0].item() == 1  # hit
+        assert store.device_tier.misses == misses
+        got = store.fetch("m", 1)  # not all cached yet: a miss that completes the entry
+        assert store.device_tier.misses == misses + 1 and list(got) == list(sd)
+        assert list(store.fetch("m", 1)) == list(sd)  # now a full hit, in manifest order
+        assert store.device_tier.misses == misses + 1
+
+
+def test_store_from_pipeline_config(tmp_path):
+    from pivotrl.config import GPSConfig
+
+    cfg = GPSConfig(host_tier=str(tmp_path / "shm"), device_tier_bytes=1234)
+    with ParameterStore.from_config(cfg, storage_root=tmp_path) as store:
+        assert store.persistent.root == str(tmp_path / "gps")
+        assert store.host is not None and store.host.root == str(tmp_path / "shm")
+        assert store.device_tier.capacity == 1234
