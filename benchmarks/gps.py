@@ -5,12 +5,17 @@
 A ~256 MB state dict with transformer shapes (bf16 matrices, fp32 embeddings/norms/biases, ~200 tensors)
 is written and read by every contender in the same run, repeats interleaved round-robin so that machine
 noise hits all of them alike; medians are reported. Ratios are ours ÷ theirs in bandwidth (> 1: we are
-faster). No side fsyncs. Reads are from page cache ("warm"); a cold variant drops the files from the page
-cache with posix_fadvise(DONTNEED) (after fsync, outside the timing) and checks with `fincore` that the
-pages really left the cache (on a VM the hypervisor may still cache the disk, so "cold" is a lower bound).
+faster). No side fsyncs. `publish` is a synchronous publish into the persistent tier (write_behind=False:
+data, metadata, checksums, exclusive commit), i.e. what a write-behind publish costs until `flush()`;
+the time a write-behind `publish` takes to return is reported as an extra. `fetch` is a persistent-tier
+fetch with the device tier off (checksums verified); `device_hit` is a device-tier hit that returns
+caller-owned copies (the default), `device_hit_shared` one that returns the cached tensors (copy=False).
+Reads are from page cache ("warm"); a cold variant drops the files from the page cache with
+posix_fadvise(DONTNEED) (after fsync, outside the timing) and checks with `fincore` that the pages really
+left the cache (on a VM the hypervisor may still cache the disk, so "cold" is a lower bound).
 
-The raw-read baseline is the faster (by median) of `numpy.fromfile` and one `preadv` of the whole file into a
-fresh numpy buffer (the allocator our fetch uses). Writes and reads run in separate phases, in an order
+The raw-read baseline is the faster (by median) of `numpy.fromfile` and one `preadv` of the whole file into
+a fresh numpy buffer (the allocator our fetch uses). Writes and reads run in separate phases, in an order
 rotated every round, with an untimed `os.sync()` before every timed call, so that background writeback of
 one contender never lands in another's timing.
 One warm-up round is excluded from the medians.
