@@ -149,3 +149,41 @@ def test_store_from_pipeline_config(tmp_path):
         assert store.persistent.root == str(tmp_path / "gps")
         assert store.host is not None and store.host.root == str(tmp_path / "shm")
         assert store.device_tier.capacity == 1234
+
+
+def test_move_packed_moves_one_buffer_per_dtype_and_never_aliases(tmp_path):
+    from pivotrl.gps.store import _packed_source, move_packed
+
+    sd = {
+        "a": torch.randn(3, 4),
+        "b": torch.arange(6).reshape(2, 3),
+        "c": torch.randn(5).bfloat16(),
+        "d": torch.randn(2, 2),
+        "s": torch.tensor(2.0),
+    }
+    with ParameterStore(tmp_path, write_behind=False, device_tier_bytes=0) as store:
+        store.publish("m", 1, sd)
+        fetched = store.fetch("m", 1)
+    f32 = [(n, t) for n, t in fetched.items() if t.dtype == torch.float32]
+    assert _packed_source(f32) is not None  # fetched tensors are views of one packed buffer per dtype
+    assert _packed_source([("a", sd["a"]), ("d", sd["d"])]) is None  # separate allocations
+    for source in (fetched, sd):
+        moved = move_packed(source, torch.device("cpu"))
+        assert list(moved) == list(sd)
+        for k, t in sd.items():
+            assert torch.equal(bits(moved[k]), bits(t)) and moved[k].shape == t.shape
+            assert moved[k].untyped_storage().data_ptr() != source[k].untyped_storage().data_ptr()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.gpu
+def test_fetch_to_cuda_and_device_tier_on_gpu(tmp_path):
+    sd = {"w": torch.randn(64, 64).bfloat16(), "b": torch.randn(64)}
+    with ParameterStore(tmp_path, write_behind=False, device="cuda", device_tier_bytes=1 << 20) as store:
+        store.publish("m", 1, sd)
+        got = store.fetch("m", 1, device="cuda")
+        assert all(t.device.type == "cuda" for t in got.values())
+        assert store.device_tier.cached() == [("m", 1)]
+        again = store.fetch("m", 1, device="cpu")
+        for k, t in sd.items():
+            assert torch.equal(bits(again[k]), bits(t))
