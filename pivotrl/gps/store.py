@@ -287,7 +287,7 @@ class ParameterStore:
             self.device_tier.put(key, self._to_tier_device(snapshot), manifest.names, held=True)
         hashes = {t.name: t.xxh3 for t in manifest.tensors}
         fut = self._bg.submit(self._persist_behind, model, version, snapshot, hashes, manifest)
-        self._bg_futures.append(fut)
+        self._track(fut)
         return manifest
 
     def _snapshot_manifest(self, model: str, version: int, snap: dict[str, torch.Tensor]) -> Manifest:
@@ -373,9 +373,16 @@ class ParameterStore:
                 )
         return ours
 
+    def _track(self, fut: Future) -> None:
+        """Remember a background job for `flush()`; finished ones are dropped (their errors are recorded)."""
+        with self._lock:
+            self._bg_futures = [f for f in self._bg_futures if not f.done()]
+            self._bg_futures.append(fut)
+
     def flush(self) -> None:
         """Wait until every write-behind publish is persisted; raise the first failure."""
-        futs, self._bg_futures = self._bg_futures, []
+        with self._lock:
+            futs, self._bg_futures = self._bg_futures, []
         for f in futs:
             f.result()
         self._raise_background_error()
@@ -406,7 +413,7 @@ class ParameterStore:
         if pending is not None:
             snap, man = pending
             self._check_names(man, wanted)
-            got = {n: snap[n] for n in (wanted or man.names)}
+            got = {n: snap[n] for n in (wanted if wanted is not None else man.names)}
             return self._deliver(got, device, copy=True)
         hit = self.device_tier.get(key, wanted)
         if hit is not None:
@@ -503,7 +510,7 @@ class ParameterStore:
             if tier != "host" or backend is good:
                 continue
             was_corrupt = any(b is backend for _, b in corrupt)
-            self._bg_futures.append(self._bg.submit(self._refill_host, backend, good, man, was_corrupt))
+            self._track(self._bg.submit(self._refill_host, backend, good, man, was_corrupt))
 
     def _refill_host(self, host: Backend, good: Backend, man: Manifest, was_corrupt: bool) -> None:
         with contextlib.suppress(OSError, FileNotFoundError):
