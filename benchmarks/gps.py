@@ -16,8 +16,8 @@ left the cache (on a VM the hypervisor may still cache the disk, so "cold" is a 
 
 The raw-read baseline is the faster (by median) of `numpy.fromfile` and one `preadv` of the whole file into
 a fresh numpy buffer (the allocator our fetch uses). Writes and reads run in separate phases, in an order
-rotated every round, with an untimed `os.sync()` before every timed call, so that background writeback of
-one contender never lands in another's timing.
+rotated every round, with an untimed `os.sync()` before every timed write and before each read phase, so
+that background writeback of one contender never lands in another's timing.
 One warm-up round is excluded from the medians.
 """
 
@@ -104,7 +104,7 @@ def run(quick: bool, tmp_root: str | None) -> dict:
     from pivotrl.gps.layout import DEFAULT_CHUNK_BYTES
 
     torch.set_num_threads(1)
-    repeats = 11 if quick else 21
+    repeats = 15 if quick else 31
     sd = transformer_state_dict()
     nbytes = sum(t.numel() * t.element_size() for t in sd.values())
     raw = np.concatenate([t.reshape(-1).view(torch.uint8).numpy() for t in sd.values()])
@@ -174,11 +174,13 @@ def run(quick: bool, tmp_root: str | None) -> dict:
         ]
         for r in range(repeats + 1):
             for ops in (write_ops, read_ops):
+                os.sync()
                 # Rotate the order every round so no contender is always first or last.
                 for name, fn in ops[r % len(ops) :] + ops[: r % len(ops)]:
-                    # Untimed: write back every dirty page first, so that one contender's writeback (or
-                    # dirty-page throttling) never lands in another's timing.
-                    os.sync()
+                    if ops is write_ops:
+                        # Untimed: write back every dirty page first, so that one contender's writeback
+                        # (or dirty-page throttling) never lands in another's timing. Reads dirty nothing.
+                        os.sync()
                     t0 = time.perf_counter()
                     fn()
                     if r:  # round 0 is the warm-up
@@ -259,7 +261,7 @@ def run(quick: bool, tmp_root: str | None) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="11 repeats instead of 21 (about a minute)")
+    ap.add_argument("--quick", action="store_true", help="15 repeats instead of 31 (under two minutes)")
     ap.add_argument("--json", type=Path, help="write the results here")
     ap.add_argument("--tmp", default=None, help="directory for the temporary files (default: system tmp)")
     args = ap.parse_args(argv)

@@ -37,7 +37,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import Executor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from itertools import zip_longest
@@ -186,6 +186,14 @@ def _hash_into(out: dict[str, str], batch: list[tuple[str, memoryview]]) -> None
         out[name] = xxhash.xxh3_64_hexdigest(mv)
 
 
+class IOPool(ThreadPoolExecutor):
+    """The store's I/O threads; `helpers` of them join the calling thread in `run_jobs` (0: caller only)."""
+
+    def __init__(self, parallelism: int) -> None:
+        super().__init__(max(1, parallelism - 1), thread_name_prefix="gps-io")
+        self.helpers = max(0, parallelism - 1)
+
+
 def run_jobs(pool: Executor, jobs: list[Callable[[], None]]) -> None:
     """Run jobs on the pool's threads *and* the calling thread, which would otherwise sit idle waiting.
 
@@ -212,7 +220,7 @@ def run_jobs(pool: Executor, jobs: list[Callable[[], None]]) -> None:
                 errors.append(exc)
                 return
 
-    workers = min(len(jobs) - 1, getattr(pool, "_max_workers", 1))
+    workers = min(len(jobs) - 1, getattr(pool, "helpers", getattr(pool, "_max_workers", 1)))
     futures = [pool.submit(drain) for _ in range(workers)]
     drain()
     for f in futures:

@@ -147,10 +147,11 @@ class ParameterStore:
         self.write_behind = write_behind
         self.chunk_bytes = chunk_bytes
         self.stale_after_s = stale_after_s
-        # Half the cores, at most 8: parallel preadv/writev/xxh3 help on a big node; on a busy 2-core box
-        # extra threads only add context switches (measured with benchmarks.gps).
-        io_threads = io_threads or max(1, min(8, (os.cpu_count() or 2) // 2))  # + the calling thread
-        self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="gps-io")
+        # Threads (the calling one included) sharing a fetch's/publish's preadv, writev and xxh3 jobs: half
+        # the cores, at most 8. On a big node parallel page-cache copies add bandwidth; on a busy 2-core box
+        # (where the benchmark ran) a second thread only added stalls, so there it is the caller alone.
+        self.io_threads = io_threads or max(1, min(8, (os.cpu_count() or 2) // 2))
+        self._io = layout.IOPool(self.io_threads)
         self._bg = ThreadPoolExecutor(1, thread_name_prefix="gps-write-behind")
         self._bg_futures: list[Future] = []
         self._errors: list[BaseException] = []

@@ -187,3 +187,19 @@ def test_fetch_to_cuda_and_device_tier_on_gpu(tmp_path):
         again = store.fetch("m", 1, device="cpu")
         for k, t in sd.items():
             assert torch.equal(bits(again[k]), bits(t))
+
+
+@pytest.mark.parametrize("parallelism", [1, 3])
+def test_run_jobs_runs_every_job_and_reraises_the_first_failure(parallelism):
+    from pivotrl.gps.layout import IOPool, run_jobs
+
+    done: list[int] = []
+    with IOPool(parallelism) as pool:
+        run_jobs(pool, [lambda i=i: done.append(i) for i in range(50)])
+        assert sorted(done) == list(range(50))
+
+        def boom() -> None:
+            raise OSError("disk on fire")
+
+        with pytest.raises(OSError, match="disk on fire"):
+            run_jobs(pool, [boom, *[lambda: None] * 5])
