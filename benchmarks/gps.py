@@ -16,8 +16,8 @@ left the cache (on a VM the hypervisor may still cache the disk, so "cold" is a 
 
 The raw-read baseline is the faster (by median) of `numpy.fromfile` and one `preadv` of the whole file into
 a fresh numpy buffer (the allocator our fetch uses). Writes and reads run in separate phases, in an order
-rotated every round, with an untimed `os.sync()` before every timed write and before each read phase, so
-that background writeback of one contender never lands in another's timing.
+rotated every round, with an untimed `os.sync()` before every timed call, so that background writeback of
+one contender never lands in another's timing.
 One warm-up round is excluded from the medians.
 """
 
@@ -174,13 +174,11 @@ def run(quick: bool, tmp_root: str | None) -> dict:
         ]
         for r in range(repeats + 1):
             for ops in (write_ops, read_ops):
-                os.sync()
                 # Rotate the order every round so no contender is always first or last.
                 for name, fn in ops[r % len(ops) :] + ops[: r % len(ops)]:
-                    if ops is write_ops:
-                        # Untimed: write back every dirty page first, so that one contender's writeback
-                        # (or dirty-page throttling) never lands in another's timing. Reads dirty nothing.
-                        os.sync()
+                    # Untimed: write back every dirty page first, so that one contender's writeback (or
+                    # dirty-page throttling) never lands in another's timing; every call starts alike.
+                    os.sync()
                     t0 = time.perf_counter()
                     fn()
                     if r:  # round 0 is the warm-up
