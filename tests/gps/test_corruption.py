@@ -106,3 +106,29 @@ def test_corrupt_everywhere_names_every_tier(tmp_path):
         _flip_byte_of(persist, "policy", 1, "proj", store)
         with pytest.raises(IntegrityError, match=r"host tier.*proj.*persistent tier.*proj"):
             store.fetch("policy", 1)
+
+
+@pytest.mark.parametrize(("slice_bytes", "group_bytes"), [(7, 13), (64, 1 << 20), (2 << 20, 16 << 20)])
+def test_streamed_verification_names_exactly_the_bad_tensor(tmp_path, slice_bytes, group_bytes):
+    from pivotrl.gps.layout import IOPool, read_tensors
+
+    g = torch.Generator().manual_seed(3)
+    sd = {f"t{i}": torch.randn(int(n), generator=g) for i, n in enumerate([1, 5, 40, 3, 100, 2, 17])}
+    with ParameterStore(tmp_path, write_behind=False, device_tier_bytes=0, chunk_bytes=96) as store:
+        man = store.publish("m", 1, sd)
+        with IOPool(3) as pool:
+            got, bad = read_tensors(
+                store.persistent, man, None, pool, slice_bytes=slice_bytes, group_bytes=group_bytes
+            )
+            assert bad == [] and all(torch.equal(got[k], sd[k]) for k in sd)
+            _flip_byte_of(tmp_path, "m", 1, "t4", store)
+            got, bad = read_tensors(
+                store.persistent,
+                man,
+                ["t6", "t4", "t0"],
+                pool,
+                slice_bytes=slice_bytes,
+                group_bytes=group_bytes,
+            )
+            assert bad == ["t4"] and list(got) == ["t6", "t4", "t0"]
+            assert torch.equal(got["t6"], sd["t6"]) and torch.equal(got["t0"], sd["t0"])
