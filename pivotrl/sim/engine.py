@@ -38,12 +38,16 @@ class IterStats:
     end: float = math.nan
 
     def as_dict(self) -> dict[str, float]:
+        """Stage times of one iteration. Stages overlap when streaming, so each has a *span* (first work
+        available -> last finished) and a *tail* (how long it ran on after its upstream stage ended)."""
         return {
             "iteration": self.iteration,
             "start_s": self.start,
             "rollout_s": self.rollout_end - self.start,
-            "reward_s": self.reward_end - self.reward_start,
-            "train_s": self.train_end - self.train_start,
+            "reward_span_s": self.reward_end - self.reward_start,
+            "reward_tail_s": self.reward_end - self.rollout_end,
+            "train_span_s": self.train_end - self.train_start,
+            "train_tail_s": self.train_end - self.reward_end,
             "barrier_s": self.end - self.train_end,
             "total_s": self.end - self.start,
         }
@@ -136,10 +140,7 @@ class Simulator:
         heapq.heappush(self.events, (t, self.seq, kind, key, version))
 
     def _schedule_rep(self, rep: Replica) -> None:
-        if isinstance(rep, GenReplica):
-            t = rep.next_finish_time()
-        else:
-            t = rep.batch_end
+        t = rep.next_finish_time() if isinstance(rep, GenReplica) else rep.batch_end
         if t < math.inf:
             self._push(t, "rep", rep.replica_id, rep.version)
 
@@ -206,8 +207,8 @@ class Simulator:
 
     def _reward_item(self, it: _Item) -> WorkItem:
         s = it.spec
-        return WorkItem(s.seq_id, "reward", s.prompt_len + s.response_len + self.cfg.workload.judge_template_tokens,
-                        it.generated, s.group_id, s.iteration)
+        judge = s.prompt_len + s.response_len + self.cfg.workload.judge_template_tokens
+        return WorkItem(s.seq_id, "reward", judge, it.generated, s.group_id, s.iteration)
 
     def _finish_item(self, rep: Replica, iid: str, tokens: int) -> list[WorkItem]:
         """Book-keep a finished unit of work; returns the follow-up items it unlocks."""
@@ -393,7 +394,7 @@ class Simulator:
                 self._push(t + tick_s, "periodic", None, 0)
                 continue
             elif kind == "shifted":
-                devs, role, phases, old = key
+                devs, role, phases, _old = key
                 for dv in devs:
                     self._set_device(dv, None)
                     self.pool[role].append(dv)
@@ -407,6 +408,10 @@ class Simulator:
         return self._result()
 
     def _tick(self) -> None:
+        for rep in self.reps.values():
+            if isinstance(rep, GenReplica) and rep.running:
+                rep.advance(self.now)
+                self.ctl.on_progress(rep.replica_id, int(rep.generated_tokens()), self.now)
         dec = self.ctl.tick(self.now)
         if dec is not None and dec.shifts:
             self._execute(dec)
@@ -446,7 +451,8 @@ class Simulator:
                 held[role] += t1 - t0
         total = self.now * self.N
         util = {f"{r}_device_share": held[r] / total if total else 0.0 for r in ROLES}
-        util["shifting_device_share"] = sum(t1 - t0 for _, t0, t1, r in self.segments if r == "shift") / max(total, 1e-9)
+        shifting = sum(t1 - t0 for _, t0, t1, r in self.segments if r == "shift")
+        util["shifting_device_share"] = shifting / max(total, 1e-9)
         cons = dict(self.counts)
         cons["sequences"] = len(specs)
         cons["train_tokens_expected"] = float(sum(s.prompt_len + s.response_len for s in specs))

@@ -42,6 +42,7 @@ class GenReplica:
     running: dict[str, Running] = field(default_factory=dict)
     heap: list[tuple[float, str]] = field(default_factory=list)
     k_sum: float = 0.0  # sum over running of (prompt + gen0 - s0): context = k_sum + B*step
+    g_sum: float = 0.0  # sum over running of (gen0 - s0): generated so far = g_sum + B*step
     version: int = 0  # bumps invalidate queued events
     busy_time: float = 0.0
     tokens: float = 0.0
@@ -51,6 +52,10 @@ class GenReplica:
     def _coeffs(self) -> tuple[float, float]:
         d, b = self.cost.decode, len(self.running)
         return d.a_s + d.b_s * b + d.c_s * self.k_sum, d.c_s * b
+
+    def generated_tokens(self) -> float:
+        """Tokens generated so far by the running sequences (what a progress report carries)."""
+        return self.g_sum + len(self.running) * self.step
 
     def context_tokens(self) -> float:
         return self.k_sum + len(self.running) * self.step
@@ -83,12 +88,15 @@ class GenReplica:
             r = self.running.pop(iid, None)
             if r is not None:
                 self.k_sum -= r.prompt + r.gen0 - r.s0
+                self.g_sum -= r.gen0 - r.s0
                 done.append(r)
         return done
 
     # -- admission / abort ------------------------------------------------------------------------
     def can_admit(self, context: int) -> bool:
-        return len(self.running) < self.cost.max_batch and self.context_tokens() + context <= self.cost.kv_tokens
+        if len(self.running) >= self.cost.max_batch:
+            return False
+        return self.context_tokens() + context <= self.cost.kv_tokens
 
     def admit(self, now: float, item_id: str, prompt: int, generated: int, target: int) -> None:
         """Start a sequence: prefill its prompt (+ already generated tokens when it resumes)."""
@@ -102,6 +110,7 @@ class GenReplica:
         r = Running(item_id, prompt, generated, max(target, generated + 1), self.step)
         self.running[item_id] = r
         self.k_sum += prompt + generated - self.step
+        self.g_sum += generated - self.step
         heapq.heappush(self.heap, (r.finish_step(), item_id))
         self.version += 1
 
@@ -120,6 +129,7 @@ class GenReplica:
         self.running.clear()
         self.heap.clear()
         self.k_sum = 0.0
+        self.g_sum = 0.0
         self.version += 1
         return out
 
