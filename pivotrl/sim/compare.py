@@ -13,15 +13,14 @@ import time
 from typing import Any
 
 from pivotrl.sim.config import ROLES, SimConfig
-from pivotrl.sim.control import make_controller
 from pivotrl.sim.engine import SimResult, Simulator
 from pivotrl.sim.fluid import fluid_bound, work_per_iteration
 
 
-def simulate(cfg: SimConfig, mode: str, split: dict[str, int] | None = None, controller: str = "auto",
+def simulate(cfg: SimConfig, mode: str, split: dict[str, int] | None = None,
              iterations: int | None = None, record: bool = True) -> SimResult:
-    ctl = make_controller(cfg, mode, split, which=controller)
-    return Simulator(cfg, ctl, mode, split, iterations=iterations, record=record).run()
+    """One paradigm on the workload, every decision made by `pivotrl.core`."""
+    return Simulator(cfg, mode, split, iterations=iterations, record=record).run()
 
 
 def all_splits(cfg: SimConfig) -> list[dict[str, int]]:
@@ -48,7 +47,7 @@ def _key(split: dict[str, int]) -> tuple[int, int, int]:
     return (split["rollout"], split["reward"], split["train"])
 
 
-def best_static(cfg: SimConfig, controller: str = "auto", log: Any = None) -> tuple[SimResult, dict[str, Any]]:
+def best_static(cfg: SimConfig, log: Any = None) -> tuple[SimResult, dict[str, Any]]:
     splits = all_splits(cfg)
     if not splits:
         raise ValueError("no feasible static split")
@@ -58,7 +57,7 @@ def best_static(cfg: SimConfig, controller: str = "auto", log: Any = None) -> tu
     def run(split: dict[str, int]) -> SimResult:
         k = _key(split)
         if k not in cache:
-            cache[k] = simulate(cfg, "disaggregated", split, controller, iterations=iters, record=False)
+            cache[k] = simulate(cfg, "disaggregated", split, iterations=iters, record=False)
             if log:
                 log(f"  static {k}: {cache[k].tokens_per_s_per_device:.1f} tok/s/dev")
         return cache[k]
@@ -97,27 +96,24 @@ def best_static(cfg: SimConfig, controller: str = "auto", log: Any = None) -> tu
                             improved = True
     best_k = max(cache, key=lambda k: cache[k].tokens_per_s_per_device)
     best_split = dict(zip(ROLES, best_k, strict=True))
-    final = simulate(cfg, "disaggregated", best_split, controller)  # full run with trace
+    final = simulate(cfg, "disaggregated", best_split)  # full run with trace
     table = sorted(({"split": dict(zip(ROLES, k, strict=True)), "tokens_per_s_per_device": v.tokens_per_s_per_device}
                     for k, v in cache.items()), key=lambda d: -d["tokens_per_s_per_device"])
     return final, {"method": method, "splits_total": len(splits), "splits_simulated": len(cache),
                    "ranking": table}
 
 
-def compare(cfg: SimConfig, controller: str = "auto", log: Any = None) -> dict[str, Any]:
+def compare(cfg: SimConfig, log: Any = None) -> dict[str, Any]:
     """Everything `simulate` reports; ratios are computed on tokens/s per device."""
     t0 = time.perf_counter()
-    colo = simulate(cfg, "colocated", None, controller)
-    static, search = best_static(cfg, controller, log)
-    shift = simulate(cfg, "shiftable", None, controller)
+    colo = simulate(cfg, "colocated")
+    static, search = best_static(cfg, log)
+    shift = simulate(cfg, "shiftable")
     fluid = fluid_bound(cfg)
-    from pivotrl.sim.control import core_available
-
-    used = "core" if (controller == "core" or (controller == "auto" and core_available())) else "standin"
     out: dict[str, Any] = {
         "config": cfg.name,
         "devices": cfg.cluster.devices,
-        "controller": used,
+        "controller": "pivotrl.core",
         "tokens_per_s_per_device": {
             "colocated": colo.tokens_per_s_per_device,
             "best_static": static.tokens_per_s_per_device,

@@ -125,6 +125,7 @@ class SchedulerConfig(Section):
     horizon_s: float = Field(30.0, gt=0)
     hysteresis: float = Field(0.05, ge=0)
     cooldown_s: float = Field(10.0, ge=0)
+    progress_s: float = Field(5.0, gt=0, description="how often engines report per-sequence progress")
 
 
 class SearchConfig(Section):

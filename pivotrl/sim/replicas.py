@@ -134,8 +134,21 @@ class GenReplica:
         return out
 
     def generated_of(self, item_id: str) -> int:
+        """Whole tokens generated so far by a running sequence (what a progress report carries)."""
         r = self.running[item_id]
-        return r.gen0 + int(self.step - r.s0 + EPS)
+        return min(r.target - 1, r.gen0 + int(self.step - r.s0 + EPS))
+
+    def abort_one(self, now: float, item_id: str) -> int:
+        """Stop one sequence; returns the whole tokens it keeps (a fractional step in flight is lost)."""
+        self.advance(now)
+        gen = max(self.generated_of(item_id), self.running[item_id].gen0)
+        r = self.running.pop(item_id)
+        self.k_sum -= r.prompt + r.gen0 - r.s0
+        self.g_sum -= r.gen0 - r.s0
+        if not self.running:
+            self.k_sum = self.g_sum = 0.0
+        self.version += 1
+        return gen
 
     @property
     def load(self) -> int:
@@ -181,15 +194,20 @@ class TrainReplica:
         self.version += 1
         return done
 
-    def abort_all(self, now: float) -> list[tuple[str, int]]:
-        """Drop the micro-batch in flight (its partial gradient is lost) and the local backlog."""
-        if self.batch:
+    def abort_one(self, now: float, item_id: str, rate: float) -> None:
+        """Drop one item. If it was in the micro-batch in flight, that batch's partial work is lost and the
+        rest of the batch starts over (gradients of a micro-batch are all-or-nothing)."""
+        if any(i == item_id for i, _ in self.pending):
+            self.pending = [(i, n) for i, n in self.pending if i != item_id]
+            return
+        if any(i == item_id for i, _ in self.batch):
             self.busy_time += now - self.batch_start
-        out = self.batch + self.pending
-        self.batch, self.pending = [], []
-        self.batch_end = math.inf
-        self.version += 1
-        return out
+            rest = [(i, n) for i, n in self.batch if i != item_id]
+            self.batch = []
+            self.batch_end = math.inf
+            self.pending = rest + self.pending
+            self.version += 1
+            self.start_next(now, rate)
 
     @property
     def load(self) -> int:
