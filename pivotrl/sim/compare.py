@@ -97,8 +97,9 @@ def best_static(cfg: SimConfig, log: Any = None) -> tuple[SimResult, dict[str, A
     best_k = max(cache, key=lambda k: cache[k].tokens_per_s_per_device)
     best_split = dict(zip(ROLES, best_k, strict=True))
     final = simulate(cfg, "disaggregated", best_split)  # full run with trace
-    table = sorted(({"split": dict(zip(ROLES, k, strict=True)), "tokens_per_s_per_device": v.tokens_per_s_per_device}
-                    for k, v in cache.items()), key=lambda d: -d["tokens_per_s_per_device"])
+    table = sorted(({"split": dict(zip(ROLES, k, strict=True)),
+                     "tokens_per_s_per_device": v.tokens_per_s_per_device} for k, v in cache.items()),
+                   key=lambda d: -d["tokens_per_s_per_device"])
     return final, {"method": method, "splits_total": len(splits), "splits_simulated": len(cache),
                    "ranking": table}
 

@@ -126,12 +126,15 @@ class SchedulerConfig(Section):
     hysteresis: float = Field(0.05, ge=0)
     cooldown_s: float = Field(10.0, ge=0)
     progress_s: float = Field(5.0, gt=0, description="how often engines report per-sequence progress")
+    dispatch_batch_s: float = Field(
+        0.02, ge=0, description="results are reported in batches: dispatch runs at most once per window")
 
 
 class SearchConfig(Section):
     exhaustive_max_splits: int = Field(64, ge=1, description="simulate every split when there are this few")
     top_k: int = Field(6, ge=1, description="else: simulate the analytically best K and hill-climb")
-    iterations: int | None = Field(None, ge=1, description="iterations per split during the search")
+    iterations: int | None = Field(1, ge=1, description="iterations per split during the search "
+                                   "(the best split is then re-run with all iterations)")
 
 
 class SimConfig(Section):

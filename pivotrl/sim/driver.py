@@ -16,7 +16,8 @@ from pivotrl.sim.workload import mean_length
 
 def expected(cfg: SimConfig) -> dict[str, float]:
     wl = cfg.workload
-    prompt, resp, crit = mean_length(wl.prompt_len), mean_length(wl.response_len), mean_length(wl.critique_len)
+    prompt, resp = mean_length(wl.prompt_len), mean_length(wl.response_len)
+    crit = mean_length(wl.critique_len)
     return {"prompt": prompt, "response": resp, "critique": crit,
             "judge_prompt": prompt + resp + wl.judge_template_tokens, "train_item": prompt + resp}
 
@@ -50,7 +51,12 @@ def controller_config(cfg: SimConfig) -> ControllerConfig:
 
 
 def build_controller(cfg: SimConfig, mode: str, split: dict[str, int] | None = None) -> Controller:
-    policy = make_policy(mode, static_split=split) if mode == "disaggregated" else make_policy(mode)
+    if mode == "colocated":
+        from pivotrl.sim.policy_fixes import Colocated
+
+        policy = Colocated()  # core's, with the iteration-boundary fix (docs/sim-needs-from-core.md)
+    else:
+        policy = make_policy(mode, static_split=split) if mode == "disaggregated" else make_policy(mode)
     devices = [f"d{i}" for i in range(cfg.cluster.devices)]
     return Controller(policy, devices=devices, config=controller_config(cfg))
 

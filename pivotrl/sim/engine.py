@@ -113,6 +113,7 @@ class Simulator:
         self.left = dict.fromkeys(ROLES, 0)
         self.done = False
         self.tick_pending_at = math.inf
+        self.dispatch_pending = False
         self.counts = {"rollout_submitted": 0, "rollout_finished": 0, "reward_submitted": 0,
                        "reward_finished": 0, "train_submitted": 0, "train_finished": 0, "aborted": 0}
         self.train_tokens_done = 0.0
@@ -219,7 +220,7 @@ class Simulator:
             rep = self.reps.get(a.replica_id)
             seq = self.ctl.sequence(a.seq_id)
             if rep is None or seq is None:
-                raise RuntimeError(f"core dispatched {a.seq_id!r} to {a.replica_id!r}, which is not active here")
+                raise RuntimeError(f"core dispatched {a.seq_id!r} to {a.replica_id!r}, not active here")
             if isinstance(rep, TrainReplica):
                 rep.pending.append((seq.seq_id, int(seq.payload)))
             else:
@@ -250,7 +251,7 @@ class Simulator:
                 rep.advance(self.now)
                 self.decoded[rep.role] += rep.tokens
                 if rep.running:
-                    raise RuntimeError(f"core dissolved {rid} without aborting {len(rep.running)} sequence(s)")
+                    raise RuntimeError(f"core dissolved {rid} with {len(rep.running)} sequence(s) running")
         for sh in dec.shifts:
             role = str(sh.to_role)
             warm_start = self.now == 0.0 and all(m.from_role is None for m in sh.moves)
@@ -264,7 +265,8 @@ class Simulator:
             if not warm_start:
                 self.shift_log.append({
                     "t": self.now, "decision": dec.decision_id, "to": role,
-                    "from": sorted({str(m.from_role) for m in sh.moves}), "devices": [int(d[1:]) for d in sh.devices],
+                    "from": sorted({str(m.from_role) for m in sh.moves}),
+                    "devices": [int(d[1:]) for d in sh.devices],
                     "duration_s": dur, "aborted": sum(len(v) for v in dec.aborts.values()),
                     "stimulus": dec.stimulus,
                     "B": None if dec.reasoning is None or dec.reasoning.chosen is None
@@ -331,8 +333,21 @@ class Simulator:
                     self._start_iteration(self.cur_iter + 1)
                 else:
                     self.done = True
-            self._assign(self.ctl.dispatch(self.now))
+            elif kind == "dispatch":
+                self.dispatch_pending = False
+                self._assign(self.ctl.dispatch(self.now))
+                continue
+            self._request_dispatch()
         return self._result()
+
+    def _request_dispatch(self) -> None:
+        """Coalesce dispatch calls: a runtime reports finished work in batches, not one by one."""
+        window = self.cfg.scheduler.dispatch_batch_s
+        if window <= 0:
+            self._assign(self.ctl.dispatch(self.now))
+        elif not self.dispatch_pending:
+            self.dispatch_pending = True
+            self._push(self.now + window, "dispatch", None)
 
     def _on_replica(self, rep: Replica) -> None:
         follow: list[Sequence] = []
@@ -364,7 +379,8 @@ class Simulator:
                 self.decoded[rep.role] += rep.tokens
         tokens = 0.0
         for it in range(len(self.iter_stats)):
-            tokens += sum(s.prompt_len + s.response_len for s in iteration_sequences(self.cfg.workload, it, self.cfg.seed))
+            specs = iteration_sequences(self.cfg.workload, it, self.cfg.seed)
+            tokens += sum(s.prompt_len + s.response_len for s in specs)
         held = dict.fromkeys([*ROLES, "shift"], 0.0)
         for _d, t0, t1, role in self.segments:
             held[role] += t1 - t0
