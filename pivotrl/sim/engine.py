@@ -21,7 +21,7 @@ from typing import Any
 from pivotrl.core import Decision, Role, Sequence
 from pivotrl.sim.config import ROLES, SimConfig
 from pivotrl.sim.costs import barrier_time, shift_time, step_time, train_rate
-from pivotrl.sim.driver import build_controller, iteration_plan
+from pivotrl.sim.driver import build_controller, expected, iteration_plan
 from pivotrl.sim.replicas import GenReplica, TrainReplica
 from pivotrl.sim.workload import SeqSpec, iteration_sequences
 
@@ -94,6 +94,8 @@ class Simulator:
                  iterations: int | None = None, record: bool = True) -> None:
         self.cfg, self.mode, self.split = cfg, mode, split
         self.ctl = build_controller(cfg, mode, split)
+        # what a runtime knows of lengths before measuring them: the workload's expected values
+        self.expected = expected(cfg)
         self.iterations = iterations or cfg.workload.iterations
         self.record = record
         self.N = cfg.cluster.devices
@@ -165,7 +167,8 @@ class Simulator:
             self.group_left[s.group_id] = self.group_left.get(s.group_id, 0) + 1
             self.group_members.setdefault(s.group_id, []).append(s.seq_id)
             seqs.append(Sequence(s.seq_id, Role.ROLLOUT, s.prompt_len, max_resp, iteration=k,
-                                 group_id=s.group_id, payload=s.response_len))
+                                 group_id=s.group_id, payload=s.response_len,
+                                 expected_new_tokens=self.expected["response"]))
             self.tokens_expected["rollout"] += s.response_len
         self.counts["rollout_submitted"] += len(seqs)
         self.ctl.submit(seqs, self.now)
@@ -191,7 +194,8 @@ class Simulator:
             self.counts["reward_submitted"] += 1
             self.tokens_expected["reward"] += s.critique_len
             return [Sequence(sid, Role.REWARD, self._judge_prompt(s), self.cfg.workload.critique_len.max,
-                             iteration=s.iteration, group_id=s.group_id, payload=s.critique_len)]
+                             iteration=s.iteration, group_id=s.group_id, payload=s.critique_len,
+                             expected_new_tokens=self.expected["critique"])]
         if role == "reward":
             g = s.group_id
             self.group_left[g] -= 1
