@@ -74,8 +74,12 @@ def best_static(cfg: SimConfig, log: Any = None) -> tuple[SimResult, dict[str, A
             run(s)
         valid = {_key(s) for s in splits}
         g = {r: getattr(cfg.cost, r).devices_per_replica for r in ROLES}
+        n = cfg.cluster.devices
+        steps = [1]
+        while steps[-1] * 2 <= max(n // 16, 1):
+            steps.append(steps[-1] * 2)
         improved = True
-        while improved:
+        while improved and len(cache) < cfg.search.max_simulations:
             improved = False
             best_k = max(cache, key=lambda k: cache[k].tokens_per_s_per_device)
             best = dict(zip(ROLES, best_k, strict=True))
@@ -83,7 +87,7 @@ def best_static(cfg: SimConfig, log: Any = None) -> tuple[SimResult, dict[str, A
                 for dst in ROLES:
                     if src == dst:
                         continue
-                    for step in (1, 2, 4):
+                    for step in steps:
                         moved = g[src] * step
                         cand = dict(best)
                         cand[src] -= moved

@@ -51,12 +51,7 @@ def controller_config(cfg: SimConfig) -> ControllerConfig:
 
 
 def build_controller(cfg: SimConfig, mode: str, split: dict[str, int] | None = None) -> Controller:
-    if mode == "colocated":
-        from pivotrl.sim.policy_fixes import Colocated
-
-        policy = Colocated()  # core's, with the iteration-boundary fix (docs/sim-needs-from-core.md)
-    else:
-        policy = make_policy(mode, static_split=split) if mode == "disaggregated" else make_policy(mode)
+    policy = make_policy(mode, static_split=split) if mode == "disaggregated" else make_policy(mode)
     devices = [f"d{i}" for i in range(cfg.cluster.devices)]
     return Controller(policy, devices=devices, config=controller_config(cfg))
 

@@ -99,7 +99,8 @@ class Simulator:
         self.iterations = iterations or cfg.workload.iterations
         self.record = record
         self.N = cfg.cluster.devices
-        self.dev_state: dict[str, tuple[str | None, float]] = {f"d{i}": (None, 0.0) for i in range(self.N)}
+        # every device is always in a role, "shift" (loading a role) or "free" (never placed by core)
+        self.dev_state: dict[str, tuple[str | None, float]] = {f"d{i}": ("free", 0.0) for i in range(self.N)}
         self.reps: dict[str, Replica] = {}
         self.specs: dict[str, SeqSpec] = {}
         self.events: list[tuple[float, int, str, Any, int]] = []
@@ -385,7 +386,7 @@ class Simulator:
         for it in range(len(self.iter_stats)):
             specs = iteration_sequences(self.cfg.workload, it, self.cfg.seed)
             tokens += sum(s.prompt_len + s.response_len for s in specs)
-        held = dict.fromkeys([*ROLES, "shift"], 0.0)
+        held = dict.fromkeys([*ROLES, "shift", "free"], 0.0)
         for _d, t0, t1, role in self.segments:
             held[role] += t1 - t0
         total = self.now * self.N

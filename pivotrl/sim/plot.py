@@ -11,7 +11,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from matplotlib.patches import Patch
 
-COLORS = {"rollout": "#1f77b4", "reward": "#ff7f0e", "train": "#2ca02c", "shift": "#9e9e9e"}
+COLORS = {"rollout": "#1f77b4", "reward": "#ff7f0e", "train": "#2ca02c", "shift": "#9e9e9e",
+          "free": "#e8e8e8"}
 
 
 def allocation_json(result: Any) -> dict[str, Any]:
