@@ -5,9 +5,10 @@
 For every I ∈ {32, 128, 512, 1024} × NSeq ∈ {1k, 8k, 32k, 128k} it builds a loaded cluster (replicas of all
 three roles, every sequence placed by the real dispatcher), then times
 * one planning decision (`planner.plan`: the five steps, DP included), median of repeats;
-* one shift-down plus shift-up migration (a loaded rollout replica leaves — Abort, requeue, Dispatch to the
-  other rollout replicas — and a new reward replica joins — Dispatch, then rebalance by aborting from the
-  most loaded), median of repeats, each on a freshly built cluster.
+* one shift-down plus shift-up migration (the most loaded rollout replica leaves — Abort, requeue, Dispatch
+  to the other rollout replicas — and its device joins reward as a new replica — the queue is empty, so
+  it is fed by aborting from the most loaded reward replicas), median of repeats, each on a freshly built
+  cluster.
 It fits log t = α·log NSeq + β·log I + c by least squares for each, and reports the worse (larger) slope
 of the two as `exp_nseq` / `exp_replicas` (targets ≤ 1.15 / ≤ 1.3) and `plan_ms_I1024_N128k` (≤ 50 ms).
 """
@@ -41,15 +42,17 @@ def _label(n: int) -> str:
     return f"{n // 1000}k" if n >= 1000 else str(n)
 
 
-def build(n_replicas: int, n_seqs: int, seed: int = 0) -> tuple[ClusterState, ShiftCostModel]:
+def build(n_replicas: int, n_seqs: int, seed: int = 0, reward_room: float = 0.5) -> tuple[ClusterState,
+                                                                                         ShiftCostModel]:
     """A cluster with `n_replicas` active replicas and `n_seqs` placed sequences (long-tailed lengths)."""
     rng = random.Random(seed)
     counts = {r: max(1, round(n_replicas * s)) for r, s in SHARE.items()}
     counts[Role.ROLLOUT] += n_replicas - sum(counts.values())
     seqs = {r: max(1, round(n_seqs * w)) for r, w in WORK.items()}
-    # Rollout and train have room for all their sequences; reward is the bottleneck (half of its work waits),
-    # so the planner runs its DP in full for reward and finds candidates worth reporting.
-    room = {Role.ROLLOUT: 1.5, Role.REWARD: 0.5, Role.TRAIN: 1.5}
+    # Planning: rollout and train have room for all their sequences; reward is the bottleneck (half of its
+    # work waits), so the planner runs its DP in full for reward. Migration: every role has room, so the
+    # shift-up finds no queue and must rebalance by aborting from the most loaded replicas.
+    room = {Role.ROLLOUT: 1.5, Role.REWARD: reward_room, Role.TRAIN: 1.5}
     specs = {r: RoleSpec(devices_per_replica=1, max_seqs=max(4, math.ceil(room[r] * seqs[r] / counts[r])),
                          kv_tokens=1 << 40, tokens_per_seq_step=1.0 if r is not Role.TRAIN else 256.0)
              for r in SHARE}
@@ -100,7 +103,7 @@ def time_migration(n_replicas: int, n_seqs: int, repeats: int) -> tuple[float, d
     times = []
     info: dict = {}
     for rep_i in range(repeats):
-        st, _ = build(n_replicas, n_seqs, seed=rep_i)
+        st, _ = build(n_replicas, n_seqs, seed=rep_i, reward_room=1.5)
         donor = max(st.active(Role.ROLLOUT), key=lambda r: r.n)
         device = donor.devices[0]
         t0 = time.perf_counter()

@@ -31,8 +31,8 @@ def dispatch_role(state: ClusterState, role: Role) -> list[Assignment]:
     sequences are never starved by smaller fresh ones.
     """
     queue = state.queues[role]
-    if not len(queue):
-        return []
+    if not len(queue) or state.blocked[role]:
+        return []  # nothing waits, or nothing changed since the head last found no room
     heap: list[tuple[float, int, Replica]] = []
     for idx, rep in enumerate(state.active(role)):
         if rep.n < rep.max_seqs:
@@ -43,11 +43,12 @@ def dispatch_role(state: ClusterState, role: Role) -> list[Assignment]:
         seq = queue.peek()
         if seq is None:
             break
+        need = state.kv_need(seq)
         skipped: list[tuple[float, int, Replica]] = []
         chosen: tuple[float, int, Replica] | None = None
         while heap:
             item = heapq.heappop(heap)
-            if item[2].fits(seq):
+            if item[2].fits(need):
                 chosen = item
                 break
             skipped.append(item)
@@ -61,6 +62,8 @@ def dispatch_role(state: ClusterState, role: Role) -> list[Assignment]:
         out.append(Assignment(seq.seq_id, rep.replica_id))
         if rep.n < rep.max_seqs:
             heapq.heappush(heap, (-rep.model.marginal_gain(rep.n), chosen[1], rep))
+    if len(queue):
+        state.blocked[role] = True
     return out
 
 
@@ -136,13 +139,14 @@ def shift_up(state: ClusterState, role: Role, newcomers: list[str]) -> tuple[dic
             victims_of[giver.replica_id] = stack
         victim = stack[-1]
         heapq.heappop(takers)
-        if victim.kv_tokens > kv_room[taker.replica_id]:
+        need = state.kv_need(victim)
+        if need > kv_room[taker.replica_id]:
             continue  # this newcomer cannot hold it: it stops taking
         stack.pop()
         heapq.heappop(givers)
         aborts.setdefault(giver.replica_id, []).append(victim.seq_id)
         pairs.append((victim, taker))
-        kv_room[taker.replica_id] -= victim.kv_tokens
+        kv_room[taker.replica_id] -= need
         count[giver.replica_id] -= 1
         count[taker.replica_id] += 1
         ct, cg = count[taker.replica_id], count[giver.replica_id]
