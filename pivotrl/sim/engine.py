@@ -96,6 +96,7 @@ class Simulator:
         self.ctl = build_controller(cfg, mode, split)
         # what a runtime knows of lengths before measuring them: the workload's expected values
         self.expected = expected(cfg)
+        self.tell_expected = cfg.scheduler.expected_lengths == "mean"
         self.iterations = iterations or cfg.workload.iterations
         self.record = record
         self.N = cfg.cluster.devices
@@ -169,7 +170,7 @@ class Simulator:
             self.group_members.setdefault(s.group_id, []).append(s.seq_id)
             seqs.append(Sequence(s.seq_id, Role.ROLLOUT, s.prompt_len, max_resp, iteration=k,
                                  group_id=s.group_id, payload=s.response_len,
-                                 expected_new_tokens=self.expected["response"]))
+                                 expected_new_tokens=self.expected["response"] if self.tell_expected else None))
             self.tokens_expected["rollout"] += s.response_len
         self.counts["rollout_submitted"] += len(seqs)
         self.ctl.submit(seqs, self.now)
@@ -196,7 +197,7 @@ class Simulator:
             self.tokens_expected["reward"] += s.critique_len
             return [Sequence(sid, Role.REWARD, self._judge_prompt(s), self.cfg.workload.critique_len.max,
                              iteration=s.iteration, group_id=s.group_id, payload=s.critique_len,
-                             expected_new_tokens=self.expected["critique"])]
+                             expected_new_tokens=self.expected["critique"] if self.tell_expected else None)]
         if role == "reward":
             g = s.group_id
             self.group_left[g] -= 1
