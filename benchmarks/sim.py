@@ -1,6 +1,7 @@
 """Simulator benchmarks: the paper configuration (median over seeds) and the sweep.
 
-    python -m benchmarks.sim paper [--seeds 3] [--out docs/sim-paper.json] [--plot docs/sim-paper-allocation.png]
+    python -m benchmarks.sim paper [--seeds 3] [--out docs/sim-paper.json]
+                                   [--plot docs/sim-paper-allocation.png]
     python -m benchmarks.sim sweep [--jobs 2] [--out docs/sim-sweep.json]
     python -m benchmarks.sim speed            # one 32-GPU iteration of 8,192 sequences, median of 3
 
@@ -96,8 +97,8 @@ def _order(rows: dict[str, Any]) -> list[tuple[str, int, str]]:
 
 
 def sweep_table(rows: dict[str, Any]) -> str:
-    lines = ["| workload | GPUs | fluid work share r/w/t | colocated | best static (split r/w/t) | shiftable | "
-             "fluid bound | shiftable / colocated | shiftable / best static | of fluid |",
+    lines = ["| workload | GPUs | fluid work share r/w/t | colocated | best static (split r/w/t) | "
+             "shiftable | fluid bound | shiftable / colocated | shiftable / best static | of fluid |",
              "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for wl, n, name in _order(rows):
         r = rows[name]

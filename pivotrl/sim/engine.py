@@ -170,11 +170,14 @@ class Simulator:
             self.group_members.setdefault(s.group_id, []).append(s.seq_id)
             seqs.append(Sequence(s.seq_id, Role.ROLLOUT, s.prompt_len, max_resp, iteration=k,
                                  group_id=s.group_id, payload=s.response_len,
-                                 expected_new_tokens=self.expected["response"] if self.tell_expected else None))
+                                 expected_new_tokens=self._expect("response")))
             self.tokens_expected["rollout"] += s.response_len
         self.counts["rollout_submitted"] += len(seqs)
         self.ctl.submit(seqs, self.now)
         self._request_tick()
+
+    def _expect(self, what: str) -> float | None:
+        return self.expected[what] if self.tell_expected else None
 
     def _judge_prompt(self, s: SeqSpec) -> int:
         return s.prompt_len + s.response_len + self.cfg.workload.judge_template_tokens
@@ -197,7 +200,7 @@ class Simulator:
             self.tokens_expected["reward"] += s.critique_len
             return [Sequence(sid, Role.REWARD, self._judge_prompt(s), self.cfg.workload.critique_len.max,
                              iteration=s.iteration, group_id=s.group_id, payload=s.critique_len,
-                             expected_new_tokens=self.expected["critique"] if self.tell_expected else None)]
+                             expected_new_tokens=self._expect("critique"))]
         if role == "reward":
             g = s.group_id
             self.group_left[g] -= 1
