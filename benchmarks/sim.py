@@ -70,12 +70,13 @@ def sweep(args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     rows: dict[str, Any] = {}
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
-        futs = {p.stem: pool.submit(_compare, str(p)) for p in sorted(paths, key=lambda p: -int(
+        futs = {p.stem: pool.submit(_compare, str(p)) for p in sorted(paths, key=lambda p: int(
             p.stem.rsplit("-", 1)[1].removesuffix("gpu")))}
         for name, fut in futs.items():
             rows[name] = fut.result()
             r = rows[name]
             print(f"{name:24s} " + " ".join(f"{k}={r[k]:.3f}" for k in KEYS), flush=True)
+            Path(args.out).write_text(json.dumps({"partial": True, "rows": rows}, indent=1, default=str))
     out = {"wall_s": time.perf_counter() - t0, "rows": rows}
     Path(args.out).write_text(json.dumps(out, indent=1, default=str))
     table = sweep_table(rows)
