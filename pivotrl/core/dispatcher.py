@@ -125,7 +125,7 @@ def shift_up(state: ClusterState, role: Role, newcomers: list[str]) -> tuple[dic
     heapq.heapify(takers)
     heapq.heapify(givers)
     kv_room = {r.replica_id: r.kv_capacity - r.kv_used for r in news}
-    victims_of: dict[str, list[Sequence]] = {}
+    victims_of: dict[str, list[tuple[int, str, Sequence]]] = {}
     pairs: list[tuple[Sequence, Replica]] = []
     aborts: dict[str, list[str]] = {}
     while takers and givers:
@@ -133,16 +133,17 @@ def shift_up(state: ClusterState, role: Role, newcomers: list[str]) -> tuple[dic
         loss, gi, giver = givers[0]
         if -neg_gain <= loss + 1e-12:
             break
-        stack = victims_of.get(giver.replica_id)
-        if stack is None:
-            stack = sorted(giver.running.values(), key=lambda s: (-s.context_tokens, s.seq_id))
-            victims_of[giver.replica_id] = stack
-        victim = stack[-1]
+        cands = victims_of.get(giver.replica_id)
+        if cands is None:  # a heap by context: O(n) to build, O(log n) per victim (no full sort)
+            cands = [(s.context_tokens, s.seq_id, s) for s in giver.running.values()]
+            heapq.heapify(cands)
+            victims_of[giver.replica_id] = cands
+        victim = cands[0][2]
         heapq.heappop(takers)
         need = state.kv_need(victim)
         if need > kv_room[taker.replica_id]:
             continue  # this newcomer cannot hold it: it stops taking
-        stack.pop()
+        heapq.heappop(cands)
         heapq.heappop(givers)
         aborts.setdefault(giver.replica_id, []).append(victim.seq_id)
         pairs.append((victim, taker))
@@ -154,10 +155,7 @@ def shift_up(state: ClusterState, role: Role, newcomers: list[str]) -> tuple[dic
             heapq.heappush(takers, (-taker.model.marginal_gain(ct), ti, taker))
         if cg > 0:
             heapq.heappush(givers, (giver.model.marginal_gain(cg - 1), gi, giver))
-    queue = state.queues[role]
     for victim, taker in pairs:
-        state.abort(victim)
-        queue.remove(victim.seq_id)
-        state.start(victim, taker)
+        state.move(victim, taker)
         assignments.append(Assignment(victim.seq_id, taker.replica_id))
     return aborts, assignments

@@ -179,6 +179,26 @@ class ClusterState:
         seq.state = SeqState.WAITING
         self._enqueue(seq)
 
+    def move(self, seq: Sequence, dst: Replica) -> None:
+        """Abort `seq` on its replica and resume it on `dst` at once (a migration that skips the queue;
+        the caller has checked `dst` has room). Same bookkeeping as `abort` then `start`, done once."""
+        src = self.replicas[seq.replica_id]  # type: ignore[index]
+        rem, ctx, need = seq.remaining_estimate(), seq.context_tokens, self.kv_need(seq)
+        del src.running[seq.seq_id]
+        src.kv_used -= seq.kv_reserved
+        src.remaining -= rem
+        src.context -= ctx
+        if not src.running:
+            src.remaining = 0.0
+        self.blocked[seq.role] = False
+        seq.aborts += 1
+        seq.replica_id = dst.replica_id
+        seq.kv_reserved = need
+        dst.running[seq.seq_id] = seq
+        dst.kv_used += need
+        dst.remaining += rem
+        dst.context += ctx
+
     def finish(self, seq: Sequence, now: float) -> None:
         self._detach(seq)
         r = seq.role

@@ -27,6 +27,12 @@ class Role(StrEnum):
 PIPELINE: tuple[Role, ...] = (Role.ROLLOUT, Role.REWARD, Role.TRAIN)
 
 
+#: Expected remaining length of a sequence that outlived its expected length, as a fraction of what it has
+#: generated (mean residual life of a heavy-tailed length distribution grows with age; ~0.5 for lognormal
+#: lengths with p99 ≈ 10× median).
+TAIL_RESIDUAL = 0.5
+
+
 class SeqState(StrEnum):
     """A sequence's life: waiting → running (on one replica) → finished; an abort sends it back to waiting."""
 
@@ -76,14 +82,18 @@ class Sequence:
         """Expected work still to do, in tokens. Never below 1 while not done, never above the budget left.
 
         Without an estimate we assume half the remaining budget (long-tailed lengths make the mean a poor
-        guide, the budget an upper bound).
+        guide, the budget an upper bound). With one, a sequence that has outlived it is not assumed to be
+        about to stop: with long-tailed lengths the expected remaining life grows with age, so we take
+        `TAIL_RESIDUAL × generated` when that is larger (this is what makes a rollout tail's remaining work
+        visible to the planner).
         """
         budget = max(self.max_new_tokens - self.generated, 0)
         if budget == 0:
             return 0.0
         if self.expected_new_tokens is None:
             return max(budget / 2.0, 1.0)
-        return float(min(max(self.expected_new_tokens - self.generated, 1.0), budget))
+        left = max(self.expected_new_tokens - self.generated, TAIL_RESIDUAL * self.generated, 1.0)
+        return float(min(left, budget))
 
     @property
     def kv_tokens(self) -> int:
@@ -142,6 +152,8 @@ class ControllerConfig:
         the prior's.
     shift_prior_s: assumed shift duration for a (from, to) pair never measured yet.
     max_shift_fraction: at most this fraction of the devices move in one decision.
+    upstream_slack: a role upstream of the shift-up role gives up only replicas costing it at most this
+        fraction of its throughput (its spare capacity): upstream output gates everything downstream.
     kv_reserve: "budget" reserves prompt + max_new_tokens per sequence (a replica can never overflow);
         "expected" reserves prompt + expected length (more concurrency; the engine must preempt on overflow,
         as vLLM/SGLang do).
@@ -157,6 +169,7 @@ class ControllerConfig:
     shift_cost_alpha: float = 0.3
     max_shift_fraction: float = 1.0
     kv_reserve: str = "budget"
+    upstream_slack: float = 0.1
 
     def __post_init__(self) -> None:
         if self.kv_reserve not in ("budget", "expected"):

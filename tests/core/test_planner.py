@@ -23,6 +23,35 @@ from .helpers import active_state, config, seq
 ROLES = (Role.ROLLOUT, Role.REWARD, Role.TRAIN)
 
 
+def donation_allowed(views, d: Role, u: Role, k: int, slack: float) -> bool:
+    """The donor rule, restated directly: keep a replica while there is work; upstream donors give only
+    spare capacity (≤ slack of their throughput); downstream ones let τ_d grow up to τ_u(m_u + 1)."""
+    v, vu = views[d], views[u]
+    if v.seqs + v.arriving_seqs > 0 and k >= v.replicas:
+        return False
+    work_d = v.work + v.arriving_work
+    if work_d <= 0:
+        return True
+    base = v.throughput(v.replicas)
+    tau_u = (vu.work + vu.arriving_work) / max(vu.throughput(vu.replicas + 1), 1e-300)
+    for j in range(1, k + 1):
+        t_new = v.throughput(v.replicas - j)
+        if ROLES.index(d) < ROLES.index(u):
+            m = v.replicas - j
+            n = v.seqs + v.arriving_seqs
+
+            def step(mm: int, n: float = n) -> float:
+                busy = min(mm, n)
+                return v.a + v.b * v.k * (min(v.cap, n / busy) if busy > 0 else 0.0)
+
+            if not (t_new >= base * (1 - slack) and m * v.cap >= n
+                    and step(m) <= step(v.replicas) * (1 + slack)):
+                return False
+        elif not (t_new >= base * (1 - 1e-12) or work_d <= tau_u * t_new):
+            return False
+    return True
+
+
 def random_state(seed: int) -> tuple[ClusterState, ShiftCostModel, float]:
     """A small random cluster (≤ 8 replicas, a few free devices) with random load, fits and shift costs."""
     rng = random.Random(seed)
@@ -124,9 +153,8 @@ def _brute_force(stt: ClusterState, costs: ShiftCostModel, now: float, u: Role) 
         if x == 0 or x % vu.g or x > max_x:
             continue
         ks = {r: sum(1 for d, _, _ in chosen if d is r) for r in stt.roles}
-        if any(k and views[r].seqs + views[r].arriving_seqs > 0 and k >= views[r].replicas
-               for r, k in ks.items()):
-            continue  # would strand that role's work
+        if any(k and not donation_allowed(views, r, u, k, cfg.upstream_slack) for r, k in ks.items()):
+            continue  # would strand that role's work, or make it a worse bottleneck than u
         gain = processed(u, vu.replicas + x // vu.g) - processed(u, vu.replicas)
         for r, k in ks.items():
             if r is not u and k:
@@ -287,3 +315,47 @@ def test_reasoning_is_json_ready() -> None:
     d = res.reasoning.as_dict()
     json.dumps(d)
     assert d["chosen"]["B"] > 0 and {"G", "phi", "B"} <= set(d["candidates"][0])
+
+
+def test_upstream_gives_only_spare_capacity() -> None:
+    """A saturated rollout stage (work queued) keeps its devices even for a starving reward stage; once its
+    sequences fit on fewer replicas, the spare ones go."""
+    cfg = config(horizon_s=10.0, cooldown_s=0.0)
+    stt = active_state(cfg, {Role.ROLLOUT: 4})
+    for i in range(40):  # 4 replicas × 8 slots = 32 < 40: a queue
+        stt.admit(seq(f"r{i}", Role.ROLLOUT, max_new=300, expected_new_tokens=200), 0.0)
+    for i in range(20):
+        stt.admit(seq(f"j{i}", Role.REWARD, max_new=300, expected_new_tokens=200), 0.0)
+    dispatch_all(stt)
+    res = plan(stt, ShiftCostModel(prior_s=1.0), 10.0)
+    assert res.chosen is None or all(d.role is not Role.ROLLOUT for d in res.donors)
+    for s in [s for s in stt.seqs.values() if s.role is Role.ROLLOUT][:30]:
+        stt.finish(s, 11.0)  # 10 left: they fit on 2 replicas
+    dispatch_all(stt)
+    res = plan(stt, ShiftCostModel(prior_s=1.0), 12.0)
+    assert res.to_role is Role.REWARD and res.chosen is not None
+    assert 1 <= sum(1 for d in res.donors if d.role is Role.ROLLOUT) <= 3
+
+
+def test_tau_and_upstream_work_in_views() -> None:
+    """Step 1's τ and step 4's upstream arrivals: unsubmitted rollouts count as rollout work; reward and
+    train see what their upstream will finish within H at the current allocation."""
+    cfg = config(horizon_s=10.0)
+    stt = active_state(cfg, {Role.ROLLOUT: 2, Role.REWARD: 1})
+    for i in range(8):
+        stt.admit(seq(f"r{i}", Role.ROLLOUT, max_new=200, expected_new_tokens=100), 0.0)
+    dispatch_all(stt)
+    stt.plan = IterationPlan(0, rollout_seqs=12, group_size=4, rollout_tokens_per_seq=100,
+                             reward_tokens_per_rollout=50, train_tokens_per_group=400)
+    views = role_views(stt, 10.0)
+    ro, rw, tr = views[Role.ROLLOUT], views[Role.REWARD], views[Role.TRAIN]
+    assert ro.arriving_seqs == 4 and ro.arriving_work == pytest.approx(400)
+    assert ro.work == pytest.approx(800)
+    done = min(1.0, ro.throughput(2) * 10.0 / 1200) * 12
+    assert rw.arriving_seqs == pytest.approx(done) and rw.arriving_work == pytest.approx(done * 50)
+    assert tr.arriving_work > 0  # judged groups will become train work
+    t = tau(views)
+    assert t[Role.ROLLOUT] == pytest.approx(800 / ro.rate)
+    assert t[Role.REWARD] == 0.0 and t[Role.TRAIN] == 0.0  # no work of their own yet
+    stt.by_role[Role.ROLLOUT].clear()  # work and no replica: infinitely behind
+    assert tau(role_views(stt, 10.0))[Role.ROLLOUT] == math.inf
