@@ -127,7 +127,7 @@ class SchedulerConfig(Section):
     cooldown_s: float = Field(10.0, ge=0)
     progress_s: float = Field(5.0, gt=0, description="how often engines report per-sequence progress")
     expected_lengths: Literal["mean", "none"] = Field(
-        "none", description="what the driver tells core per sequence: the workload's mean length, or "
+        "mean", description="what the driver tells core per sequence: the workload's mean length, or "
         "nothing (core then assumes half the remaining budget)")
     kv_reserve: Literal["budget", "expected"] = Field(
         "expected", description="core's KV admission: whole budget, or prompt + expected length (vLLM-like)")
