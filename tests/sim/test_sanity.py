@@ -12,10 +12,10 @@ from pivotrl.sim.fluid import fluid_bound
 
 SANITY = Path(__file__).resolve().parents[2] / "configs/sim/sanity"
 
-# These two check core's planner as much as the simulator. With core at 81c17e9 they fail (measured:
-# 0.95 of static, 0.92 of fluid); the causes and the proposed planner changes are in
-# docs/sim-needs-from-core.md. strict=True: when core's planner passes them, the XPASS fails the suite so the
-# marks get removed.
+# These check core's planner as much as the simulator. With core f2f3b35 the fluid-limit check passes
+# (0.98) and the perfect-static one does not (0.958 of static; cause and proposed change in
+# docs/sim-needs-from-core.md, item 7). strict=True: when core's planner passes it, the XPASS fails the suite
+# so the mark gets removed.
 PLANNER_GAP = pytest.mark.xfail(strict=True, reason="core planner gap, see docs/sim-needs-from-core.md")
 
 
@@ -28,7 +28,6 @@ def test_perfect_static_split_shiftable_within_3_percent() -> None:
     assert ratio >= 0.97, f"shiftable/static = {ratio:.3f}"
 
 
-@PLANNER_GAP
 def test_zero_shift_cost_long_horizon_within_5_percent_of_fluid() -> None:
     cfg = load_sim_config(SANITY / "fluid-limit.yaml")
     shift = simulate(cfg, "shiftable", record=False)
