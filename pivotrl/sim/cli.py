@@ -34,9 +34,9 @@ def _fmt_stage(it: dict[str, float]) -> str:
 def report_text(rep: dict[str, Any]) -> str:
     lines = [f"{rep['config']}: {rep['devices']} devices, decisions by {rep['controller']}"]
     tps = rep["tokens_per_s_per_device"]
-    for name in ("colocated", "best_static", "shiftable", "fluid_bound"):
+    for name in ("colocated", "best_static", "shiftable", "fluid_bound", "fluid_and_latency_bound"):
         extra = f"  split {rep['best_static_split']}" if name == "best_static" else ""
-        lines.append(f"  {name:12s} {tps[name]:10.1f} tokens/s/device{extra}")
+        lines.append(f"  {name:23s} {tps[name]:10.1f} tokens/s/device{extra}")
     search = rep["static_search"]
     lines.append(f"  static search: {search['method']}, {search['splits_simulated']} of "
                  f"{search['splits_total']} splits simulated")

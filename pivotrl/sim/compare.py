@@ -14,7 +14,7 @@ from typing import Any
 
 from pivotrl.sim.config import ROLES, SimConfig
 from pivotrl.sim.engine import SimResult, Simulator
-from pivotrl.sim.fluid import fluid_bound, work_per_iteration
+from pivotrl.sim.fluid import fluid_bound, latency_bound, work_per_iteration
 
 
 def simulate(cfg: SimConfig, mode: str, split: dict[str, int] | None = None,
@@ -115,6 +115,7 @@ def compare(cfg: SimConfig, log: Any = None) -> dict[str, Any]:
     static, search = best_static(cfg, log)
     shift = simulate(cfg, "shiftable")
     fluid = fluid_bound(cfg)
+    tight = latency_bound(cfg)
     out: dict[str, Any] = {
         "config": cfg.name,
         "devices": cfg.cluster.devices,
@@ -124,15 +125,19 @@ def compare(cfg: SimConfig, log: Any = None) -> dict[str, Any]:
             "best_static": static.tokens_per_s_per_device,
             "shiftable": shift.tokens_per_s_per_device,
             "fluid_bound": fluid["tokens_per_s_per_device"],
+            "fluid_and_latency_bound": tight["tokens_per_s_per_device"],
         },
         "best_static_split": static.split,
         "static_search": search,
         "fluid_bound": fluid,
+        "latency_bound": tight,
         "runs": {"colocated": colo.summary(), "best_static": static.summary(), "shiftable": shift.summary()},
         "wall_s": time.perf_counter() - t0,
     }
     out["ratio_vs_colocated"] = shift.tokens_per_s_per_device / colo.tokens_per_s_per_device
     out["ratio_vs_best_static"] = shift.tokens_per_s_per_device / static.tokens_per_s_per_device
     out["fraction_of_fluid_bound"] = shift.tokens_per_s_per_device / fluid["tokens_per_s_per_device"]
+    tight_tps = tight["tokens_per_s_per_device"]
+    out["fraction_of_fluid_and_latency_bound"] = shift.tokens_per_s_per_device / tight_tps
     out["_results"] = {"colocated": colo, "best_static": static, "shiftable": shift}
     return out
