@@ -70,7 +70,7 @@ def fluid_bound(cfg: SimConfig, seqs_per_iter: list[list[SeqSpec]] | None = None
 def latency_bound(cfg: SimConfig, seqs_per_iter: list[list[SeqSpec]] | None = None) -> dict[str, float]:
     """A second lower bound on the makespan: per iteration, no schedule finishes before its slowest
     dependency chain - a sequence's rollout (prefill + decode alone on a replica, batch 1) then its critique,
-    then its group's training on one replica - plus the barrier. Combined with the fluid bound per
+    then the training of its group's largest item - plus the barrier. Combined with the fluid bound per
     iteration (max of the two) it says how much of the fluid bound's gap is tail latency no scheduler can
     hide. Optimistic: it ignores that the chain's replicas are shared."""
     wl, c = cfg.workload, cfg.cost
@@ -96,7 +96,8 @@ def latency_bound(cfg: SimConfig, seqs_per_iter: list[list[SeqSpec]] | None = No
                        + s.critique_len * (c.reward.decode.a_s + c.reward.decode.b_s
                                            + c.reward.decode.c_s * (judge + s.critique_len / 2)))
                 judged = max(judged, roll + rew)
-            train = sum(s.prompt_len + s.response_len for s in members) / train_rate
+            # the group's items may train on several replicas in parallel: only the largest is serial
+            train = max(s.prompt_len + s.response_len for s in members) / train_rate
             chain = max(chain, judged + train)
         prompt = np.array([s.prompt_len for s in seqs], dtype=float)
         resp = np.array([s.response_len for s in seqs], dtype=float)
