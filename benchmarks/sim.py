@@ -1,0 +1,214 @@
+"""Simulator benchmarks: the paper configuration (median over seeds) and the sweep.
+
+    python -m benchmarks.sim paper [--seeds 3] [--out docs/sim-paper.json]
+                                   [--plot docs/sim-paper-allocation.png]
+    python -m benchmarks.sim sweep [--jobs 2] [--out docs/sim-sweep.json]
+    python -m benchmarks.sim speed            # one 32-GPU iteration of 8,192 sequences, median of 3
+    python -m benchmarks.sim table            # re-make the sweep table/figure from docs/sim-sweep.json
+
+Every paradigm runs side by side on the same workload in one process; decisions are made by pivotrl.core.
+Ratios are printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+KEYS = ("ratio_vs_colocated", "ratio_vs_best_static", "fraction_of_fluid_bound")
+
+
+def _compare(path: str, overrides: tuple[str, ...] = ()) -> dict[str, Any]:
+    from pivotrl.sim.compare import compare
+    from pivotrl.sim.config import load_sim_config
+    from pivotrl.sim.fluid import work_per_iteration
+
+    cfg = load_sim_config(path, list(overrides))
+    rep = compare(cfg)
+    results = rep.pop("_results")
+    w = work_per_iteration(cfg)
+    rep["fluid_work_share"] = {k: v / sum(w.values()) for k, v in w.items()}
+    rep["all_finished"] = all(r.finished for r in results.values())
+    rep["conserved"] = all(r.conservation["conserved"] for r in results.values())
+    return rep
+
+
+def paper(args: argparse.Namespace) -> None:
+    from pivotrl.sim.compare import compare
+    from pivotrl.sim.config import load_sim_config
+    from pivotrl.sim.plot import plot_allocation
+
+    path = ROOT / "configs/sim/paper-32gpu.yaml"
+    runs = []
+    for seed in range(args.seeds):
+        cfg = load_sim_config(path, [f"seed={seed}"])
+        rep = compare(cfg)
+        results = rep.pop("_results")
+        if seed == 0 and args.plot:
+            plot_allocation({"colocated": results["colocated"],
+                             f"best static {rep['best_static_split']}": results["best_static"],
+                             "shiftable": results["shiftable"]}, args.plot,
+                            title="paper-32gpu (seed 0): device roles over time")
+        runs.append(rep)
+        print(f"seed {seed}: " + ", ".join(f"{k}={rep[k]:.3f}" for k in KEYS), flush=True)
+    out = {"config": str(path.relative_to(ROOT)), "seeds": args.seeds, "runs": runs}
+    out["median"] = {k: statistics.median(r[k] for r in runs) for k in KEYS}
+    out["median_tokens_per_s_per_device"] = {
+        m: statistics.median(r["tokens_per_s_per_device"][m] for r in runs)
+        for m in ("colocated", "best_static", "shiftable", "fluid_bound")}
+    Path(args.out).write_text(json.dumps(out, indent=1, default=str))
+    print(json.dumps({k: round(v, 4) for k, v in out["median"].items()}))
+
+
+def sweep(args: argparse.Namespace) -> None:
+    paths = sorted((ROOT / "configs/sim/sweep").glob("*.yaml"))
+    t0 = time.perf_counter()
+    rows: dict[str, Any] = {}
+    with ProcessPoolExecutor(max_workers=args.jobs) as pool:
+        futs = {p.stem: pool.submit(_compare, str(p)) for p in sorted(paths, key=lambda p: int(
+            p.stem.rsplit("-", 1)[1].removesuffix("gpu")))}
+        for name, fut in futs.items():
+            rows[name] = fut.result()
+            r = rows[name]
+            print(f"{name:24s} " + " ".join(f"{k}={r[k]:.3f}" for k in KEYS), flush=True)
+            Path(args.out).write_text(json.dumps({"partial": True, "rows": rows}, indent=1, default=str))
+    out = {"wall_s": time.perf_counter() - t0, "rows": rows}
+    Path(args.out).write_text(json.dumps(out, indent=1, default=str))
+    table = sweep_table(rows)
+    Path(args.table).write_text(table)
+    sweep_figure(rows, args.plot)
+    print(table)
+    worst = min(r["ratio_vs_best_static"] for r in rows.values())
+    print(json.dumps({"configs": len(rows), "min_ratio_vs_best_static": round(worst, 4),
+                      "shiftable_ge_best_static_everywhere": worst >= 1.0}))
+
+
+def _order(rows: dict[str, Any]) -> list[tuple[str, int, str]]:
+    out = []
+    for name in rows:
+        wl, n = name.rsplit("-", 1)
+        out.append((wl, int(n.removesuffix("gpu")), name))
+    order = {"rollout-heavy": 0, "balanced": 1, "reward-heavy": 2}
+    return sorted(out, key=lambda x: (order.get(x[0], 9), x[1]))
+
+
+def _tight(name: str, r: dict[str, Any]) -> float:
+    """Fluid-and-latency bound (tokens/s/device): from the report, or computed from the config."""
+    got = r["tokens_per_s_per_device"].get("fluid_and_latency_bound")
+    if got is None:
+        from pivotrl.sim.config import load_sim_config
+        from pivotrl.sim.fluid import latency_bound
+
+        cfg = load_sim_config(ROOT / "configs/sim/sweep" / f"{name}.yaml")
+        got = latency_bound(cfg)["tokens_per_s_per_device"]
+        r["tokens_per_s_per_device"]["fluid_and_latency_bound"] = got
+    return got
+
+
+def sweep_table(rows: dict[str, Any]) -> str:
+    lines = ["| workload | GPUs | fluid work share r/w/t | colocated | best static (split r/w/t) | "
+             "shiftable | fluid bound | fluid+latency bound | shiftable / colocated | "
+             "shiftable / best static | of fluid | of fluid+latency |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for wl, n, name in _order(rows):
+        r = rows[name]
+        t = r["tokens_per_s_per_device"]
+        s = r["best_static_split"]
+        tight = _tight(name, r)
+        share = "/".join(f"{r['fluid_work_share'][k]:.2f}" for k in ("rollout", "reward", "train"))
+        lines.append(
+            f"| {wl} | {n} | {share} | {t['colocated']:.0f} | {t['best_static']:.0f} "
+            f"({s['rollout']}/{s['reward']}/{s['train']}) | {t['shiftable']:.0f} | {t['fluid_bound']:.0f} | "
+            f"{tight:.0f} | {r['ratio_vs_colocated']:.2f} | {r['ratio_vs_best_static']:.2f} | "
+            f"{r['fraction_of_fluid_bound']:.2f} | {t['shiftable'] / tight:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def table(args: argparse.Namespace) -> None:
+    """Re-make the sweep table and figure from a sweep JSON (e.g. after adding a bound)."""
+    rows = json.loads(Path(args.out).read_text())["rows"]
+    Path(args.table).write_text(sweep_table(rows))
+    sweep_figure(rows, args.plot)
+    print(Path(args.table).read_text())
+
+
+def sweep_figure(rows: dict[str, Any], out: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    order = _order(rows)
+    wls = list(dict.fromkeys(wl for wl, _, _ in order))
+    fig, axes = plt.subplots(1, len(wls), figsize=(11, 3.4), sharey=True)
+    for ax, wl in zip(axes, wls, strict=True):
+        sub = [(n, rows[name]) for w, n, name in order if w == wl]
+        xs = range(len(sub))
+        width = 0.27
+        for i, (key, label) in enumerate((("colocated", "colocated"), ("best_static", "best static"),
+                                          ("shiftable", "shiftable"))):
+            ax.bar([x + (i - 1) * width for x in xs],
+                   [r["tokens_per_s_per_device"][key] / r["tokens_per_s_per_device"]["fluid_bound"]
+                    for _, r in sub], width, label=label)
+        names = [name for w, _n, name in order if w == wl]
+        tight = [_tight(nm, rows[nm]) / rows[nm]["tokens_per_s_per_device"]["fluid_bound"] for nm in names]
+        ax.hlines(tight, [x - 1.5 * width for x in xs], [x + 1.5 * width for x in xs], colors="k",
+                  linewidth=1.2, label="fluid+latency bound" if wl == wls[0] else None)
+        ax.set_xticks(list(xs), [str(n) for n, _ in sub])
+        ax.set_xlabel("GPUs")
+        ax.set_title(wl, fontsize=10)
+        ax.axhline(1.0, color="k", linewidth=0.6)
+    axes[0].set_ylabel("tokens/s/device / fluid bound")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=80)
+    plt.close(fig)
+
+
+def speed(args: argparse.Namespace) -> None:
+    from pivotrl.sim.compare import simulate
+    from pivotrl.sim.config import load_sim_config
+
+    cfg = load_sim_config(ROOT / "configs/sim/paper-32gpu.yaml", ["workload.iterations=1"])
+    out = {}
+    for mode in ("colocated", "disaggregated", "shiftable"):
+        split = {"rollout": 7, "reward": 12, "train": 13} if mode == "disaggregated" else None
+        ts = []
+        for _ in range(3):
+            t = time.process_time()
+            simulate(cfg, mode, split, record=False)
+            ts.append(time.process_time() - t)
+        out[mode] = statistics.median(ts)
+    print(json.dumps({"cpu_s_per_32gpu_iteration_8192_seqs": {k: round(v, 2) for k, v in out.items()},
+                      "under_5s": max(out.values()) < 5.0}))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("paper")
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--out", default=str(ROOT / "docs/sim-paper.json"))
+    p.add_argument("--plot", default=str(ROOT / "docs/sim-paper-allocation.png"))
+    s = sub.add_parser("sweep")
+    s.add_argument("--jobs", type=int, default=2)
+    s.add_argument("--out", default=str(ROOT / "docs/sim-sweep.json"))
+    s.add_argument("--table", default=str(ROOT / "docs/sim-sweep-table.md"))
+    s.add_argument("--plot", default=str(ROOT / "docs/sim-sweep.png"))
+    sub.add_parser("speed")
+    t = sub.add_parser("table")
+    t.add_argument("--out", default=str(ROOT / "docs/sim-sweep.json"))
+    t.add_argument("--table", default=str(ROOT / "docs/sim-sweep-table.md"))
+    t.add_argument("--plot", default=str(ROOT / "docs/sim-sweep.png"))
+    args = ap.parse_args()
+    {"paper": paper, "sweep": sweep, "speed": speed, "table": table}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""Cost models: how long decode steps, prefills, training micro-batches and role shifts take.
+
+Decode is advanced analytically between events. With batch B fixed, step s costs
+``a + b*B + c*(K + B*s)`` seconds (the context grows by B tokens per step), so the time to go from step
+s0 to s0+x is ``alpha*x + beta*x*(x/2 + s0)``-style closed forms (alpha = a + b*B + c*K, beta = c*B), and the
+inverse is a quadratic. That lets one event cover thousands of decode steps.
+"""
+
+from __future__ import annotations
+
+import math
+
+from pivotrl.sim.config import CostProfile, GenRoleCost, SimConfig, TrainRoleCost
+
+
+def decode_time(alpha: float, beta: float, s0: float, x: float) -> float:
+    """Seconds to advance x (continuous) steps from step s0, where dt/ds = alpha + beta*s."""
+    return x * (alpha + beta * s0) + 0.5 * beta * x * x
+
+
+def decode_steps(alpha: float, beta: float, s0: float, dt: float) -> float:
+    """Inverse of `decode_time`: steps advanced in dt seconds from step s0 (stable quadratic root)."""
+    if dt <= 0:
+        return 0.0
+    slope = alpha + beta * s0
+    if beta <= 0:
+        return dt / slope if slope > 0 else math.inf
+    return 2.0 * dt / (slope + math.sqrt(slope * slope + 2.0 * beta * dt))
+
+
+def step_time(cost: GenRoleCost, batch: int, context_tokens: float) -> float:
+    d = cost.decode
+    return d.a_s + d.b_s * batch + d.c_s * context_tokens
+
+
+def peak_decode_tps_per_device(cost: GenRoleCost, mean_context: float) -> float:
+    """Best steady decode rate of one device: the largest batch the KV cache and max_batch allow."""
+    batch = max(1, min(cost.max_batch, int(cost.kv_tokens // max(mean_context, 1.0))))
+    return batch / step_time(cost, batch, batch * mean_context) / cost.devices_per_replica
+
+
+def prefill_time(cost: GenRoleCost, tokens: float) -> float:
+    return tokens / cost.prefill_tokens_per_s
+
+
+def dp_efficiency(train: TrainRoleCost, replicas: int) -> float:
+    """Data-parallel scaling: each doubling of train replicas keeps this fraction of per-device speed."""
+    return train.dp_efficiency_per_doubling ** math.log2(max(replicas, 1))
+
+
+def train_rate(train: TrainRoleCost, replicas: int) -> float:
+    """Tokens/s of ONE train replica when `replicas` of them run data-parallel."""
+    return train.tokens_per_s_per_device * train.devices_per_replica * dp_efficiency(train, replicas)
+
+
+def role_cost(cost: CostProfile, role: str) -> GenRoleCost | TrainRoleCost:
+    return getattr(cost, role)
+
+
+def shift_time(cost: CostProfile, role: str) -> tuple[float, dict[str, float]]:
+    """Seconds for one device to take up `role`: offload the old role, fetch weights from GPS, start."""
+    rc = role_cost(cost, role)
+    tier = cost.gps.tiers[cost.gps.fetch_tier]
+    phases = {
+        "offload": cost.gps.offload_s,
+        "fetch": tier.latency_s + rc.weights_gb / tier.bandwidth_gb_s,
+        "init": rc.init_s,
+    }
+    return sum(phases.values()), phases
+
+
+def barrier_time(cfg: SimConfig, train_replicas: int) -> float:
+    """Optimizer step + gradient all-reduce (ring: 2(n-1)/n of the bytes) + publish of the new version."""
+    it = cfg.cost.iteration
+    n = max(train_replicas, 1)
+    reduce_s = 2.0 * (n - 1) / n * it.grad_allreduce_gb / it.allreduce_gb_s if n > 1 else 0.0
+    return it.optimizer_step_s + reduce_s + it.publish_s

@@ -1,0 +1,64 @@
+"""The one place where the simulator's config becomes a `pivotrl.core.Controller`.
+
+Everything the controller is told comes from what a real runtime would know before measuring: the cost
+profile's nominal step-time line as the *prior* of each role's throughput model (core then fits it online
+from the simulated `on_step` samples), capacities, prefill rates, and the workload's expected lengths for
+`IterationPlan`. True lengths stay hidden in the simulator (sequence payloads are never read by core).
+"""
+
+from __future__ import annotations
+
+from pivotrl.core import Controller, ControllerConfig, IterationPlan, Role, RoleSpec, make_policy
+from pivotrl.sim.config import SimConfig
+from pivotrl.sim.costs import shift_time
+from pivotrl.sim.workload import mean_length
+
+
+def expected(cfg: SimConfig) -> dict[str, float]:
+    wl = cfg.workload
+    prompt, resp = mean_length(wl.prompt_len), mean_length(wl.response_len)
+    crit = mean_length(wl.critique_len)
+    return {"prompt": prompt, "response": resp, "critique": crit,
+            "judge_prompt": prompt + resp + wl.judge_template_tokens, "train_item": prompt + resp}
+
+
+def controller_config(cfg: SimConfig) -> ControllerConfig:
+    c, e = cfg.cost, expected(cfg)
+    roll_ctx = e["prompt"] + 0.5 * e["response"]
+    rew_ctx = e["judge_prompt"] + 0.5 * e["critique"]
+    roles = {
+        Role.ROLLOUT: RoleSpec(
+            devices_per_replica=c.rollout.devices_per_replica, max_seqs=c.rollout.max_batch,
+            kv_tokens=c.rollout.kv_tokens, prior_step_a_s=c.rollout.decode.a_s,
+            prior_step_b_s=c.rollout.decode.b_s + c.rollout.decode.c_s * roll_ctx,
+            tokens_per_seq_step=1.0, prefill_tokens_per_s=c.rollout.prefill_tokens_per_s),
+        Role.REWARD: RoleSpec(
+            devices_per_replica=c.reward.devices_per_replica, max_seqs=c.reward.max_batch,
+            kv_tokens=c.reward.kv_tokens, prior_step_a_s=c.reward.decode.a_s,
+            prior_step_b_s=c.reward.decode.b_s + c.reward.decode.c_s * rew_ctx,
+            tokens_per_seq_step=1.0, prefill_tokens_per_s=c.reward.prefill_tokens_per_s),
+        Role.TRAIN: RoleSpec(
+            devices_per_replica=c.train.devices_per_replica, max_seqs=c.train.micro_batch_seqs,
+            kv_tokens=1 << 40, prior_step_a_s=1e-3,
+            prior_step_b_s=1.0 / (c.train.tokens_per_s_per_device * c.train.devices_per_replica),
+            tokens_per_seq_step=e["train_item"],
+            prefill_tokens_per_s=c.train.tokens_per_s_per_device * c.train.devices_per_replica),
+    }
+    shift_prior = sum(shift_time(c, r)[0] for r in ("rollout", "reward", "train")) / 3.0
+    s = cfg.scheduler
+    return ControllerConfig(roles=roles, horizon_s=s.horizon_s, hysteresis=s.hysteresis,
+                            cooldown_s=s.cooldown_s, shift_prior_s=shift_prior, kv_reserve=s.kv_reserve)
+
+
+def build_controller(cfg: SimConfig, mode: str, split: dict[str, int] | None = None) -> Controller:
+    policy = make_policy(mode, static_split=split) if mode == "disaggregated" else make_policy(mode)
+    devices = [f"d{i}" for i in range(cfg.cluster.devices)]
+    return Controller(policy, devices=devices, config=controller_config(cfg))
+
+
+def iteration_plan(cfg: SimConfig, iteration: int) -> IterationPlan:
+    wl, e = cfg.workload, expected(cfg)
+    return IterationPlan(iteration, rollout_seqs=wl.prompts_per_iteration * wl.group_size,
+                         group_size=wl.group_size, rollout_tokens_per_seq=e["response"],
+                         reward_tokens_per_rollout=e["critique"],
+                         train_tokens_per_group=wl.group_size * e["train_item"])

@@ -1,0 +1,116 @@
+"""The fluid bound: every device busy at its role's peak efficiency throughout, no tails, no shift cost.
+
+Each role's work is converted to device-seconds at the role's *peak* per-device rate (decode at the largest
+batch the KV cache allows, prefill at its rate, training at single-replica tokens/s), summed over roles and
+divided by the device count. The per-iteration optimizer step + publish is serial in every paradigm
+(on-policy), so it is added once per iteration. No real schedule can beat this.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pivotrl.sim.config import ROLES, SimConfig
+from pivotrl.sim.costs import peak_decode_tps_per_device
+from pivotrl.sim.workload import SeqSpec, iteration_sequences, mean_length
+
+
+def _work(cfg: SimConfig, prompt: np.ndarray, resp: np.ndarray, crit: np.ndarray) -> dict[str, float]:
+    c = cfg.cost
+    tmpl = cfg.workload.judge_template_tokens
+    roll_ctx = float(np.mean(prompt + 0.5 * resp))
+    judge = prompt + resp + tmpl
+    rew_ctx = float(np.mean(judge + 0.5 * crit))
+    roll = (resp.sum() / peak_decode_tps_per_device(c.rollout, roll_ctx)
+            + prompt.sum() / c.rollout.prefill_tokens_per_s * c.rollout.devices_per_replica)
+    rew = (crit.sum() / peak_decode_tps_per_device(c.reward, rew_ctx)
+           + judge.sum() / c.reward.prefill_tokens_per_s * c.reward.devices_per_replica)
+    train = (prompt + resp).sum() / c.train.tokens_per_s_per_device
+    return {"rollout": float(roll), "reward": float(rew), "train": float(train)}
+
+
+def work_per_iteration(cfg: SimConfig, n: int = 20000) -> dict[str, float]:
+    """Expected device-seconds per role for one iteration (from the distributions, by sampling)."""
+    wl = cfg.workload
+    rng = np.random.default_rng(cfg.seed + 777)
+    from pivotrl.sim.workload import draw_lengths
+
+    prompt = draw_lengths(wl.prompt_len, n, rng).astype(float)
+    resp = draw_lengths(wl.response_len, n, rng).astype(float)
+    crit = draw_lengths(wl.critique_len, n, rng).astype(float)
+    scale = wl.prompts_per_iteration * wl.group_size / n
+    return {k: v * scale for k, v in _work(cfg, prompt, resp, crit).items()}
+
+
+def fluid_bound(cfg: SimConfig, seqs_per_iter: list[list[SeqSpec]] | None = None) -> dict[str, float]:
+    """Fluid-bound makespan and tokens/s per device for the run's actual sequences."""
+    wl = cfg.workload
+    if seqs_per_iter is None:
+        seqs_per_iter = [iteration_sequences(wl, k, cfg.seed) for k in range(wl.iterations)]
+    n_dev = cfg.cluster.devices
+    serial = cfg.cost.iteration.optimizer_step_s + cfg.cost.iteration.publish_s
+    total_time, total_tokens = 0.0, 0.0
+    per_role = dict.fromkeys(ROLES, 0.0)
+    for seqs in seqs_per_iter:
+        prompt = np.array([s.prompt_len for s in seqs], dtype=float)
+        resp = np.array([s.response_len for s in seqs], dtype=float)
+        crit = np.array([s.critique_len for s in seqs], dtype=float)
+        w = _work(cfg, prompt, resp, crit)
+        for r in ROLES:
+            per_role[r] += w[r]
+        total_time += sum(w.values()) / n_dev + serial
+        total_tokens += float((prompt + resp).sum())
+    return {
+        "makespan_s": total_time,
+        "tokens_per_s_per_device": total_tokens / total_time / n_dev,
+        "work_device_s": per_role,
+    }
+
+
+def latency_bound(cfg: SimConfig, seqs_per_iter: list[list[SeqSpec]] | None = None) -> dict[str, float]:
+    """A second lower bound on the makespan: per iteration, no schedule finishes before its slowest
+    dependency chain - a sequence's rollout (prefill + decode alone on a replica, batch 1) then its critique,
+    then the training of its group's largest item - plus the barrier. Combined with the fluid bound per
+    iteration (max of the two) it says how much of the fluid bound's gap is tail latency no scheduler can
+    hide. Optimistic: it ignores that the chain's replicas are shared."""
+    wl, c = cfg.workload, cfg.cost
+    if seqs_per_iter is None:
+        seqs_per_iter = [iteration_sequences(wl, k, cfg.seed) for k in range(wl.iterations)]
+    serial = c.iteration.optimizer_step_s + c.iteration.publish_s
+    n_dev = cfg.cluster.devices
+    total, tight, tokens = 0.0, 0.0, 0.0
+    train_rate = c.train.tokens_per_s_per_device * c.train.devices_per_replica
+    for seqs in seqs_per_iter:
+        groups: dict[str, list[SeqSpec]] = {}
+        for s in seqs:
+            groups.setdefault(s.group_id, []).append(s)
+        chain = 0.0
+        for members in groups.values():
+            judged = 0.0
+            for s in members:
+                roll = (s.prompt_len / c.rollout.prefill_tokens_per_s
+                        + s.response_len * (c.rollout.decode.a_s + c.rollout.decode.b_s
+                                            + c.rollout.decode.c_s * (s.prompt_len + s.response_len / 2)))
+                judge = s.prompt_len + s.response_len + wl.judge_template_tokens
+                rew = (judge / c.reward.prefill_tokens_per_s
+                       + s.critique_len * (c.reward.decode.a_s + c.reward.decode.b_s
+                                           + c.reward.decode.c_s * (judge + s.critique_len / 2)))
+                judged = max(judged, roll + rew)
+            # the group's items may train on several replicas in parallel: only the largest is serial
+            train = max(s.prompt_len + s.response_len for s in members) / train_rate
+            chain = max(chain, judged + train)
+        prompt = np.array([s.prompt_len for s in seqs], dtype=float)
+        resp = np.array([s.response_len for s in seqs], dtype=float)
+        crit = np.array([s.critique_len for s in seqs], dtype=float)
+        fluid_t = sum(_work(cfg, prompt, resp, crit).values()) / n_dev
+        total += chain + serial
+        tight += max(chain, fluid_t) + serial
+        tokens += float((prompt + resp).sum())
+    return {"chain_makespan_s": total, "tight_makespan_s": tight,
+            "tokens_per_s_per_device": tokens / tight / n_dev}
+
+
+def expected_lengths(cfg: SimConfig) -> dict[str, float]:
+    wl = cfg.workload
+    return {"prompt": mean_length(wl.prompt_len), "response": mean_length(wl.response_len),
+            "critique": mean_length(wl.critique_len)}

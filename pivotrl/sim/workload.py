@@ -1,0 +1,63 @@
+"""Workloads: the sequences of each GRPO iteration, drawn deterministically from the config's distributions.
+
+The true response and critique lengths are drawn up front (the simulator needs them to know when a sequence
+ends) but are *never* shown to the controller: it only learns a sequence's length when it finishes, exactly
+like the real runtime.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from pivotrl.sim.config import LengthDist, WorkloadConfig
+
+
+def draw_lengths(dist: LengthDist, n: int, rng: np.random.Generator) -> np.ndarray:
+    """n integer lengths from `dist`, clipped to [min, max]."""
+    if dist.dist == "constant":
+        x = np.full(n, float(dist.value))
+    elif dist.dist == "uniform":
+        x = rng.integers(dist.low, dist.high + 1, size=n).astype(float)
+    elif dist.dist == "empirical":
+        x = rng.choice(np.asarray(dist.samples, dtype=float), size=n, replace=True)
+    else:
+        x = dist.median * np.exp(dist.sigma * rng.standard_normal(n))
+    return np.clip(np.rint(x), dist.min, dist.max).astype(np.int64)
+
+
+def mean_length(dist: LengthDist, rng_seed: int = 12345, n: int = 200_000) -> float:
+    """The distribution's mean after clipping (by sampling: clipping makes closed forms awkward)."""
+    if dist.dist == "constant":
+        return float(min(max(dist.value, dist.min), dist.max))
+    return float(draw_lengths(dist, n, np.random.default_rng(rng_seed)).mean())
+
+
+@dataclass(slots=True)
+class SeqSpec:
+    """One rollout sequence of one iteration, with its (hidden) true lengths."""
+
+    seq_id: str
+    group_id: str
+    iteration: int
+    prompt_len: int
+    response_len: int
+    critique_len: int
+
+
+def iteration_sequences(wl: WorkloadConfig, iteration: int, seed: int) -> list[SeqSpec]:
+    """All P*G sequences of `iteration`: members of a group share their prompt (and its length)."""
+    rng = np.random.default_rng([seed, iteration])
+    p, g = wl.prompts_per_iteration, wl.group_size
+    prompts = draw_lengths(wl.prompt_len, p, rng)
+    responses = draw_lengths(wl.response_len, p * g, rng)
+    critiques = draw_lengths(wl.critique_len, p * g, rng)
+    out: list[SeqSpec] = []
+    for i in range(p):
+        gid = f"i{iteration}g{i}"
+        for j in range(g):
+            k = i * g + j
+            out.append(SeqSpec(f"{gid}s{j}", gid, iteration, int(prompts[i]), int(responses[k]),
+                               int(critiques[k])))
+    return out

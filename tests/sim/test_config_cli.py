@@ -1,0 +1,57 @@
+"""Config loading and the CLI's bad-input contract: one line naming file and field, exit code 2."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pivotrl.cli import main
+from pivotrl.errors import UserError
+from pivotrl.sim.config import load_sim_config
+
+ROOT = Path(__file__).resolve().parents[2]
+PAPER = ROOT / "configs/sim/paper-32gpu.yaml"
+
+
+def test_paper_config_loads_with_profile() -> None:
+    cfg = load_sim_config(PAPER)
+    assert cfg.cluster.devices == 32
+    assert cfg.workload.prompts_per_iteration * cfg.workload.group_size == 8192
+    assert cfg.cost.reward.devices_per_replica == 2 and cfg.cost.rollout.weights_gb == pytest.approx(15.2)
+
+
+def test_every_shipped_config_loads() -> None:
+    paths = sorted((ROOT / "configs/sim").rglob("*.yaml"))
+    configs = [p for p in paths if "profiles" not in p.parts and not p.name.endswith("profile.yaml")]
+    assert len(configs) >= 14
+    for p in configs:
+        load_sim_config(p)
+
+
+def test_bad_field_names_file_and_field(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(PAPER.read_text().replace("prompts_per_iteration: 512", "prompts_per_iteration: -1")
+                   .replace("profile: profiles/", f"profile: {PAPER.parent}/profiles/"))
+    with pytest.raises(UserError) as exc:
+        load_sim_config(bad)
+    msg = str(exc.value)
+    assert str(bad) in msg and "workload.prompts_per_iteration" in msg and "\n" not in msg
+
+
+@pytest.mark.parametrize("cmd", ["simulate", "plan"])
+def test_cli_bad_config_is_one_line_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                           cmd: str) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("cluster: {devices: 32}\ncost: {gpu: x}\n")
+    assert main([cmd, str(bad)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and str(bad) in err and "cost.rollout" in err
+
+
+def test_cli_missing_file_and_unknown_field(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", str(tmp_path / "nope.yaml")]) == 2
+    assert "not found" in capsys.readouterr().err
+    assert main(["simulate", str(PAPER), "--set", "workload.bogus=1"]) == 2
+    err = capsys.readouterr().err
+    assert "workload.bogus" in err and "unknown field" in err
