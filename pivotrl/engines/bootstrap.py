@@ -3,7 +3,7 @@
 Why both are built here: no weights can be downloaded, and RL needs (a) a policy that already speaks the
 task's format but is often wrong, so there is something to learn, and (b) a judge that is reliably right,
 so that the GenRM reward alone can drive learning. The judge is trained on synthetic judgments built from
-the task's ground-truth verifier: (prompt, correct or corrupted response) → ``ref <answer>. verdict: yes|no``.
+the task's ground-truth verifier: (prompt, correct or corrupted response) → item-by-item critique + verdict.
 
 Everything is deterministic from the seed and cached under ``<storage_root>/models/<name>-<key>/`` where the
 key hashes every setting that shapes the weights, so a changed setting never reuses a stale model.
@@ -108,7 +108,7 @@ def judge_pairs(
     for p in problems:
         response = normalize(p.answer) if rng.random() < positive_frac else corrupt_answer(p.answer, rng)
         ok = task.verify(p, response)
-        out.append(Pair(template.prompt(p.prompt, response), template.judgment(p, ok)))
+        out.append(Pair(template.prompt(p.prompt, response), template.judgment(p, response, ok)))
         labels.append(ok)
     return out, labels
 
@@ -193,7 +193,7 @@ def sft(
 # ----------------------------------------------------------------------------------------------------
 
 ROLES = ("policy", "genrm")
-FORMAT_VERSION = 1  # bump when data construction changes, so cached models are rebuilt
+FORMAT_VERSION = 2  # bump when data construction changes, so cached models are rebuilt
 
 
 @dataclass

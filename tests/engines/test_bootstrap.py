@@ -66,10 +66,11 @@ def test_judge_pairs_are_labelled_by_the_verifier():
     assert 0.4 < sum(labels) / len(labels) < 0.6
     for pair, label, p in zip(pairs, labels, problems, strict=True):
         assert pair.prompt.startswith(p.prompt) and pair.prompt.endswith("\n")
-        response = pair.prompt[len(p.prompt) : -1]
+        response = " ".join(w[1:] for w in pair.prompt[len(p.prompt) : -1].split())  # drop the item tags
         assert task.verify(p, response) == label
         assert parse_verdict(pair.target) == float(label)
-        assert pair.target.startswith(f"ref {p.answer}.")
+        assert ("x" not in pair.target.split(" verdict")[0]) == label  # the critique agrees with the verdict
+        assert [w[1:-1] for w in pair.target.split(" verdict")[0].split()] == [*p.answer.split(), "-"]
 
 
 def test_bootstrap_is_deterministic_and_cached(tmp_path):
