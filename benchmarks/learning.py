@@ -103,8 +103,8 @@ def plot(curves: dict[int, Any], path: Path, baseline: float) -> None:
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     for seed, res in curves.items():
-        xs = [t for _, t, _ in res["curve"]]
-        ax1.plot(xs, [100 * a for _, _, a in res["curve"]], marker="o", ms=3, label=f"seed {seed}")
+        xs = [c["elapsed_s"] for c in res["curve"]]
+        ax1.plot(xs, [100 * c["accuracy"] for c in res["curve"]], marker="o", ms=3, label=f"seed {seed}")
         hist = res["history"]
         ax2.plot(
             [h["elapsed_s"] for h in hist],
