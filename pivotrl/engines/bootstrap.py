@@ -39,19 +39,12 @@ from pivotrl.tasks import Problem, Task, get_task, normalize
 
 def corrupt_answer(answer: str, rng: random.Random) -> str:
     """A plausible wrong answer: the kinds of slips a weak policy makes (swap, drop, insert, change a digit,
-    reverse, truncate, dedupe, run long, junk). Always differs from ``answer`` after normalisation."""
+    reverse, truncate, dedupe). Always differs from ``answer`` after whitespace normalisation."""
     words = normalize(answer).split(" ")
     for _ in range(20):
         w = list(words)
-        kind = rng.choice(
-            ["swap", "drop", "insert", "change", "change", "reverse", "truncate", "dedupe", "extend", "junk"]
-        )
-        if kind == "extend":  # runs long: a policy under RL probes exactly this, the judge must see it
-            w = [*w, *(rng.choice([*w, str(rng.randrange(10))]) for _ in range(rng.randint(1, 5)))]
-        elif kind == "junk":  # what a sampled policy emits: a stray non-digit item somewhere
-            junk = rng.choice(["x", "=", "+", "sort", "0" + w[0], w[-1] + w[-1]])
-            w.insert(rng.randrange(len(w) + 1), junk)
-        elif kind == "dedupe" and len(set(w)) < len(w):
+        kind = rng.choice(["swap", "drop", "insert", "change", "change", "reverse", "truncate", "dedupe"])
+        if kind == "dedupe" and len(set(w)) < len(w):
             w = sloppy_answer(" ".join(w)).split(" ")
         elif kind == "swap" and len(w) >= 2:
             i = rng.randrange(len(w) - 1)
@@ -202,7 +195,7 @@ def sft(
 # ----------------------------------------------------------------------------------------------------
 
 ROLES = ("policy", "genrm")
-FORMAT_VERSION = 4  # bump when data construction changes, so cached models are rebuilt
+FORMAT_VERSION = 3  # bump when data construction changes, so cached models are rebuilt
 
 
 @dataclass
