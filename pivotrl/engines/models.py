@@ -1,0 +1,196 @@
+"""Tiny Hugging Face-format models and a character-level tokenizer, created here from a seed.
+
+Why HF format: the same loading code (config.json + model.safetensors + tokenizer.json) takes a tiny model
+made on this CPU box and a real Qwen2.5/Llama checkpoint on a GPU box, and vLLM reads the same directory.
+Nothing is downloaded: every model is built deterministically from (size, seed, arch).
+
+The tokenizer is character level so that the synthetic tasks (digits, a few letters, spaces) need no
+trained merges: ids 0..3 are the specials ``<pad> <bos> <eos> <unk>``, then "\\n" and the 95 printable ASCII
+characters. Encoding prepends ``<bos>`` (``add_special_tokens=True``, the default), like Llama/Qwen chat
+prompts do; decoding concatenates characters without separators.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import string
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
+PAD_ID, BOS_ID, EOS_ID, UNK_ID = range(4)
+CHARACTERS = "\n" + "".join(chr(c) for c in range(32, 127))
+assert set(string.printable) - set("\t\r\x0b\x0c") <= set(CHARACTERS)
+
+# Qwen2-style shapes (GQA, SwiGLU, RMSNorm, RoPE, q/k/v bias, tied embeddings like Qwen2.5-0.5B).
+# debug ≈ 1.0M parameters (unit tests), small ≈ 12.6M (quickstart, benchmarks).
+MODEL_SIZES: dict[str, dict[str, Any]] = {
+    "debug": dict(
+        hidden_size=128,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+    ),
+    "small": dict(
+        hidden_size=384,
+        intermediate_size=1024,
+        num_hidden_layers=8,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+    ),
+}
+ARCHS = ("qwen2", "llama")
+
+
+def build_tokenizer():
+    """Character-level `PreTrainedTokenizerFast` built with the `tokenizers` library (no training)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    for ch in CHARACTERS:
+        vocab[ch] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    # Every character (newline included) is its own pre-token; WordLevel then maps it to its id.
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", BOS_ID)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        bos_token="<bos>",
+        eos_token="<eos>",
+        unk_token="<unk>",
+        padding_side="right",
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def vocab_size() -> int:
+    return len(SPECIAL_TOKENS) + len(CHARACTERS)
+
+
+def make_config(size: str, arch: str = "qwen2"):
+    """The HF config (`Qwen2Config` or `LlamaConfig`) of a named size."""
+    if size not in MODEL_SIZES:
+        raise ValueError(f"unknown model size {size!r}; choose one of {sorted(MODEL_SIZES)}")
+    common = dict(
+        MODEL_SIZES[size],
+        vocab_size=vocab_size(),
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        pad_token_id=PAD_ID,
+        rope_theta=10000.0,
+    )
+    if arch == "qwen2":
+        from transformers import Qwen2Config
+
+        return Qwen2Config(**common)
+    if arch == "llama":
+        from transformers import LlamaConfig
+
+        return LlamaConfig(**common, attention_bias=False, mlp_bias=False)
+    raise ValueError(f"unknown arch {arch!r}; choose one of {ARCHS}")
+
+
+def init_state_dict(config, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Deterministic initial weights: N(0, initializer_range) matrices, zero biases, unit norms.
+
+    Built from a private `torch.Generator` over sorted parameter names, so the result depends only on
+    (config, seed) — not on HF's init code or the global RNG.
+    """
+    from pivotrl.engines.model import CausalLM
+
+    shapes = {k: v.shape for k, v in CausalLM.from_config(config, device="meta").state_dict().items()}
+    gen = torch.Generator().manual_seed(seed)
+    std = float(getattr(config, "initializer_range", 0.02))
+    out: dict[str, torch.Tensor] = {}
+    for name in sorted(shapes):
+        shape = shapes[name]
+        if name.endswith("norm.weight"):
+            out[name] = torch.ones(shape)
+        elif name.endswith(".bias"):
+            out[name] = torch.zeros(shape)
+        else:
+            out[name] = torch.randn(shape, generator=gen) * std
+    if getattr(config, "tie_word_embeddings", False):
+        out["lm_head.weight"] = out["model.embed_tokens.weight"]
+    return out
+
+
+def save_hf(model_or_state_dict, config, tokenizer, out_dir: str | Path) -> Path:
+    """Write an HF model directory: config.json, model.safetensors, tokenizer files.
+
+    A tied `lm_head.weight` is left out of the file (as HF does); `load_state_dict` restores it.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    sd = model_or_state_dict if isinstance(model_or_state_dict, dict) else model_or_state_dict.state_dict()
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in sd.items()}
+    if getattr(config, "tie_word_embeddings", False):
+        tensors.pop("lm_head.weight", None)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config.save_pretrained(out)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+    return out
+
+
+def load_config(path: str | Path):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(path))
+
+
+def load_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
+    """Weights of an HF directory (or a .safetensors file), with the tied `lm_head.weight` filled in."""
+    path = Path(path)
+    if path.is_dir():
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no .safetensors file in {path}")
+        sd: dict[str, torch.Tensor] = {}
+        for f in files:
+            sd.update(load_file(str(f)))
+        cfg_file = path / "config.json"
+        tied = cfg_file.exists() and json.loads(cfg_file.read_text()).get("tie_word_embeddings", False)
+    else:
+        sd, tied = load_file(str(path)), False
+    if "lm_head.weight" not in sd and (tied or path.is_file()) and "model.embed_tokens.weight" in sd:
+        sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
+    return sd
+
+
+def create_model(size: str, out_dir: str | Path, seed: int = 0, arch: str = "qwen2") -> Path:
+    """Create a deterministic HF model directory for `size` ("debug" | "small") and return its path."""
+    config = make_config(size, arch)
+    return save_hf(init_state_dict(config, seed), config, build_tokenizer(), out_dir)
+
+
+def ensure_model(storage_root: str | Path, name: str, size: str, seed: int = 0, arch: str = "qwen2") -> Path:
+    """`storage_root/models/<name>`, created once; reused when its config.json and weights exist."""
+    out = Path(storage_root) / "models" / name
+    if (out / "config.json").exists() and (out / "model.safetensors").exists():
+        return out
+    # Build in a private temp dir and rename: concurrent callers never see a half-written model.
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    create_model(size, tmp, seed=seed, arch=arch)
+    if (out / "model.safetensors").exists():  # another process won the race
+        shutil.rmtree(tmp, ignore_errors=True)
+        return out
+    shutil.rmtree(out, ignore_errors=True)  # an incomplete leftover
+    tmp.replace(out)
+    return out
