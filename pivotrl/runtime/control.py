@@ -1,0 +1,150 @@
+"""The decision interface the scheduler plugin drives, and a manual implementation of it.
+
+The scheduler plugin is *mechanism*: it stores work items, talks to workers, applies decisions. Every
+*decision* — which worker runs which item, which devices change role and when — comes from a `Control`.
+`CoreControl` (in `core_control.py`) adapts pivotrl.core's Controller (the planner and the three deployment
+paradigms); `ManualControl` here is the plain mechanism-level baseline: FIFO queues per role, roles changed
+only when asked (`request_shift`), used by tests that must steer shifts explicitly and by anything that wants
+a fixed allocation with no planner at all.
+
+Time is always passed in (`now`, seconds on a monotonic clock), as in core.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+ROLES: tuple[str, ...] = ("rollout", "reward", "train")
+
+
+@dataclass
+class Decision:
+    """What the controller wants done now: aborts to run, devices to shift, and why."""
+
+    id: str
+    aborts: list[str] = field(default_factory=list)
+    shifts: list[tuple[str, str]] = field(default_factory=list)  # (device, new role)
+    reasoning: dict[str, Any] = field(default_factory=dict)
+
+
+class Control(Protocol):
+    """Events in, decisions out. Implementations hold no Dask object and never read the clock."""
+
+    def add_device(self, dev: str, now: float) -> str | None:
+        """A device joined; return the role it should load first (None = stay idle)."""
+
+    def remove_device(self, dev: str, now: float) -> None: ...
+
+    def submit(self, item_id: str, role: str, est_tokens: int, generated: int, now: float) -> None: ...
+
+    def requeue(self, item_id: str, generated: int, now: float) -> None:
+        """An item came back (aborted, or its device was lost): it waits again, ahead of new ones."""
+
+    def on_progress(self, item_id: str, generated: int, now: float) -> None: ...
+
+    def on_finished(self, item_id: str, now: float) -> None: ...
+
+    def on_step(self, dev: str, concurrency: int, step_time_s: float, tokens: int, now: float) -> None: ...
+
+    def on_shift_started(self, dev: str, role: str, now: float) -> None: ...
+
+    def on_shift_done(self, dev: str, role: str, timings: dict[str, float], now: float) -> None: ...
+
+    def dispatch(self, now: float, free: dict[str, int]) -> list[tuple[str, str]]:
+        """Assign waiting items to ready devices with free slots: [(item_id, dev)]."""
+
+    def tick(self, now: float) -> Decision | None: ...
+
+    def snapshot(self) -> dict[str, Any]:
+        """Plain data for logs and the dashboard (queue depths, allocation, model state)."""
+
+
+class ManualControl:
+    """FIFO per role; a device keeps its role until `request_shift`. No planner, no guesswork.
+
+    `initial_roles` is cycled over devices in the order they join (e.g. ["rollout", "reward"] puts the first
+    device on rollout and the second on reward).
+    """
+
+    def __init__(self, initial_roles: list[str] | None = None) -> None:
+        self.initial_roles = list(initial_roles or ["rollout"])
+        self._joined = 0
+        self.role_of: dict[str, str | None] = {}
+        self.ready: dict[str, bool] = {}
+        self.queues: dict[str, deque[str]] = {}
+        self.item_role: dict[str, str] = {}
+        self.running_on: dict[str, str] = {}
+        self._pending: list[tuple[str, str]] = []
+        self._ids = itertools.count()
+
+    # -- events ---------------------------------------------------------------------------------------
+    def add_device(self, dev: str, now: float) -> str | None:
+        role = self.initial_roles[self._joined % len(self.initial_roles)] if self.initial_roles else None
+        self._joined += 1
+        self.role_of[dev] = None
+        self.ready[dev] = False
+        return role
+
+    def remove_device(self, dev: str, now: float) -> None:
+        self.role_of.pop(dev, None)
+        self.ready.pop(dev, None)
+        for item, d in list(self.running_on.items()):
+            if d == dev:
+                del self.running_on[item]
+
+    def submit(self, item_id: str, role: str, est_tokens: int, generated: int, now: float) -> None:
+        self.item_role[item_id] = role
+        self.queues.setdefault(role, deque()).append(item_id)
+
+    def requeue(self, item_id: str, generated: int, now: float) -> None:
+        self.running_on.pop(item_id, None)
+        self.queues.setdefault(self.item_role[item_id], deque()).appendleft(item_id)
+
+    def on_progress(self, item_id: str, generated: int, now: float) -> None:
+        return None
+
+    def on_finished(self, item_id: str, now: float) -> None:
+        self.running_on.pop(item_id, None)
+
+    def on_step(self, dev: str, concurrency: int, step_time_s: float, tokens: int, now: float) -> None:
+        return None
+
+    def on_shift_started(self, dev: str, role: str, now: float) -> None:
+        self.ready[dev] = False  # its running items are aborted by the plugin and come back via requeue
+
+    def on_shift_done(self, dev: str, role: str, timings: dict[str, float], now: float) -> None:
+        self.role_of[dev] = role
+        self.ready[dev] = True
+
+    # -- decisions ------------------------------------------------------------------------------------
+    def request_shift(self, dev: str, role: str) -> None:
+        self._pending.append((dev, role))
+
+    def dispatch(self, now: float, free: dict[str, int]) -> list[tuple[str, str]]:
+        out: list[tuple[str, str]] = []
+        for dev, slots in sorted(free.items(), key=lambda kv: -kv[1]):
+            role = self.role_of.get(dev)
+            if not self.ready.get(dev) or role is None:
+                continue
+            queue = self.queues.get(role)
+            while queue and slots > 0:
+                item = queue.popleft()
+                self.running_on[item] = dev
+                out.append((item, dev))
+                slots -= 1
+        return out
+
+    def tick(self, now: float) -> Decision | None:
+        if not self._pending:
+            return None
+        shifts, self._pending = self._pending, []
+        return Decision(id=f"manual-{next(self._ids)}", shifts=shifts, reasoning={"stimulus": "request"})
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "queue_depth": {r: len(q) for r, q in self.queues.items()},
+            "roles": dict(self.role_of),
+        }
