@@ -1,0 +1,264 @@
+"""Benchmark of the Global Parameter Storage against raw file I/O and safetensors, side by side.
+
+    python -m benchmarks.gps --quick --json OUT.json
+
+A ~256 MB state dict with transformer shapes (bf16 matrices, fp32 embeddings/norms/biases, ~200 tensors)
+is written and read by every contender in the same run, repeats interleaved round-robin so that machine
+noise hits all of them alike; medians are reported. Ratios are ours ÷ theirs in bandwidth (> 1: we are
+faster). No side fsyncs. Reads are from page cache ("warm"); a cold variant drops the files from the page
+cache with posix_fadvise(DONTNEED) (after fsync, outside the timing) and checks with `fincore` that the
+pages really left the cache (on a VM the hypervisor may still cache the disk, so "cold" is a lower bound).
+
+The raw-read baseline is the strictest one: one `preadv` of the whole file into a fresh numpy buffer (the
+same allocator our fetch uses, so neither side is favoured by huge pages); `numpy.fromfile` is reported too
+and is the same or slower. One warm-up round is excluded from the medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+def transformer_state_dict(layers: int = 16, hidden: int = 768, inter: int = 2048, kv: int = 256,
+                           vocab: int = 16000, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Qwen2-like shapes: bf16 projection matrices, fp32 embedding, norms and biases (~250 MB, 195 tensors)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    sd = {"model.embed_tokens.weight": rnd(vocab, hidden, dtype=torch.float32)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        sd[p + "input_layernorm.weight"] = rnd(hidden, dtype=torch.float32)
+        sd[p + "self_attn.q_proj.weight"] = rnd(hidden, hidden)
+        sd[p + "self_attn.q_proj.bias"] = rnd(hidden, dtype=torch.float32)
+        sd[p + "self_attn.k_proj.weight"] = rnd(kv, hidden)
+        sd[p + "self_attn.k_proj.bias"] = rnd(kv, dtype=torch.float32)
+        sd[p + "self_attn.v_proj.weight"] = rnd(kv, hidden)
+        sd[p + "self_attn.v_proj.bias"] = rnd(kv, dtype=torch.float32)
+        sd[p + "self_attn.o_proj.weight"] = rnd(hidden, hidden)
+        sd[p + "post_attention_layernorm.weight"] = rnd(hidden, dtype=torch.float32)
+        sd[p + "mlp.gate_proj.weight"] = rnd(inter, hidden)
+        sd[p + "mlp.up_proj.weight"] = rnd(inter, hidden)
+        sd[p + "mlp.down_proj.weight"] = rnd(hidden, inter)
+    sd["model.norm.weight"] = rnd(hidden, dtype=torch.float32)
+    sd["lm_head.weight"] = rnd(vocab // 4, hidden)
+    return sd
+
+
+def _drop_from_cache(paths: list[Path]) -> None:
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _resident_bytes(paths: list[Path]) -> int | None:
+    """Bytes of these files in the page cache, via util-linux `fincore`; None when it is unavailable."""
+    import subprocess
+
+    if not shutil.which("fincore") or not paths:
+        return None
+    out = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", *map(str, paths)],
+                         capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        return None
+    return sum(int(x) for x in out.stdout.split())
+
+
+def _files(root: Path) -> list[Path]:
+    return [p for p in root.rglob("*") if p.is_file()]
+
+
+def run(quick: bool, tmp_root: str | None) -> dict:
+    import safetensors.torch as st
+
+    from pivotrl.gps import ParameterStore
+    from pivotrl.gps.layout import DEFAULT_CHUNK_BYTES
+
+    torch.set_num_threads(1)
+    repeats = 7 if quick else 15
+    sd = transformer_state_dict()
+    nbytes = sum(t.numel() * t.element_size() for t in sd.values())
+    raw = np.concatenate([t.reshape(-1).view(torch.uint8).numpy() for t in sd.values()])
+    tmp = Path(tempfile.mkdtemp(prefix="gps-bench-", dir=tmp_root))
+    times: dict[str, list[float]] = {}
+    try:
+        raw_path, st_path = tmp / "raw.bin", tmp / "model.safetensors"
+        writer = ParameterStore(tmp / "gps", write_behind=False, device_tier_bytes=0)
+        reader = ParameterStore(tmp / "gps", device_tier_bytes=0)
+        cached = ParameterStore(tmp / "gps", device_tier_bytes=4 * nbytes)
+        behind = ParameterStore(tmp / "gps-wb", device_tier_bytes=2 * nbytes)
+        version = iter(range(10**6))
+        current = {"v": -1}
+
+        def publish() -> None:
+            current["v"] = next(version)
+            writer.publish("bench", current["v"], sd)
+
+        def publish_write_behind_return() -> None:
+            behind.publish("bench", next(version), sd)
+
+        def fetch() -> None:
+            out = reader.fetch("bench", current["v"])
+            assert len(out) == len(sd)
+
+        def zarr_api_read() -> None:
+            import zarr
+
+            man = reader.manifest("bench", current["v"])
+            g = zarr.open_group(str(tmp / "gps"), mode="r")[f"bench/v{current['v']:012d}/{man.data_id}"]
+            for a in man.arrays:
+                g[a.name][:]
+
+        def raw_read() -> None:
+            buf = np.empty(raw_path.stat().st_size, dtype=np.uint8)
+            fd = os.open(raw_path, os.O_RDONLY)
+            try:
+                assert os.preadv(fd, [buf], 0) == buf.nbytes
+            finally:
+                os.close(fd)
+
+        def raw_fromfile() -> None:
+            np.fromfile(raw_path, dtype=np.uint8)
+
+        def st_load() -> None:
+            {k: v.clone() for k, v in st.load_file(st_path).items()}
+
+        hit_state: dict = {}
+
+        def device_hit() -> None:
+            cached.fetch("bench", hit_state["v"])
+
+        def device_hit_shared() -> None:
+            cached.fetch("bench", hit_state["v"], copy=False)
+
+        ops: list[tuple[str, Callable[[], None]]] = [
+            ("raw_write", lambda: (raw_path.unlink(missing_ok=True), raw.tofile(raw_path))),
+            ("safetensors_save", lambda: (st_path.unlink(missing_ok=True), st.save_file(sd, st_path))),
+            ("publish", publish),
+            ("raw_read", raw_read),
+            ("raw_fromfile", raw_fromfile),
+            ("safetensors_load", st_load),
+            ("fetch", fetch),
+            ("zarr_api_read", zarr_api_read),
+        ]
+        for r in range(repeats + 1):
+            for name, fn in ops:
+                t0 = time.perf_counter()
+                fn()
+                if r:  # round 0 is the warm-up
+                    times.setdefault(name, []).append(time.perf_counter() - t0)
+            # keep disk use bounded: only the newest version is needed (outside the timing)
+            writer.gc("bench", keep_last=1)
+        hit_state["v"] = current["v"]
+        cached.fetch("bench", hit_state["v"])
+        for name, fn in [("device_hit", device_hit), ("device_hit_shared", device_hit_shared)]:
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                fn()
+                times.setdefault(name, []).append(time.perf_counter() - t0)
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            publish_write_behind_return()
+            times.setdefault("publish_write_behind_return", []).append(time.perf_counter() - t0)
+            behind.flush()
+            behind.gc("bench", keep_last=1)
+
+        # Cold reads: drop each side's files from the page cache (outside the timing), then read.
+        cold_ops = [
+            ("raw_read_cold", [raw_path], raw_read),
+            ("safetensors_load_cold", [st_path], st_load),
+            ("fetch_cold", _files(tmp / "gps" / "bench"), fetch),
+        ]
+        resident_after_drop: list[int | None] = []
+        for _ in range(3 if quick else 5):
+            for name, paths, fn in cold_ops:
+                _drop_from_cache(paths)
+                resident_after_drop.append(_resident_bytes(paths))
+                t0 = time.perf_counter()
+                fn()
+                times.setdefault(name, []).append(time.perf_counter() - t0)
+        for s in (writer, reader, cached, behind):
+            s.close()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    med = {k: statistics.median(v) for k, v in times.items()}
+    gbps = {k: nbytes / v / 1e9 for k, v in med.items()}
+    known = [r for r in resident_after_drop if r is not None]
+    cold_effective = (max(known) == 0) if known else None
+    ratios = {
+        "fetch_vs_raw_read": med["raw_read"] / med["fetch"],
+        "fetch_vs_safetensors": med["safetensors_load"] / med["fetch"],
+        "publish_vs_raw_write": med["raw_write"] / med["publish"],
+        "publish_vs_safetensors": med["safetensors_save"] / med["publish"],
+        "device_hit_speedup": med["fetch"] / med["device_hit"],
+    }
+    return {
+        "bytes": nbytes,
+        "tensors": len(sd),
+        "repeats": repeats,
+        "chunk_bytes": DEFAULT_CHUNK_BYTES,
+        "fsync": False,
+        "median_s": med,
+        "gbps": gbps,
+        "all_s": times,
+        "cold": {
+            "method": "fsync + posix_fadvise(POSIX_FADV_DONTNEED) per file, checked with fincore",
+            "effective": cold_effective,
+            "resident_bytes_after_drop": resident_after_drop,
+            "fetch_vs_raw_read_cold": med["raw_read_cold"] / med["fetch_cold"],
+            "fetch_vs_safetensors_cold": med["safetensors_load_cold"] / med["fetch_cold"],
+        },
+        "extra": {
+            "device_hit_speedup_shared": med["fetch"] / med["device_hit_shared"],
+            "fetch_vs_numpy_fromfile": med["raw_fromfile"] / med["fetch"],
+            "zarr_api_read_vs_fetch": med["fetch"] / med["zarr_api_read"],
+            "publish_write_behind_return_vs_publish": med["publish"] / med["publish_write_behind_return"],
+        },
+        "ratios": ratios,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="7 repeats instead of 15 (about a minute)")
+    ap.add_argument("--json", type=Path, help="write the results here")
+    ap.add_argument("--tmp", default=None, help="directory for the temporary files (default: system tmp)")
+    args = ap.parse_args(argv)
+    res = run(args.quick, args.tmp)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(res, indent=2))
+    print(f"state dict: {res['bytes'] / 1e6:.0f} MB in {res['tensors']} tensors, medians of {res['repeats']}")
+    for k in sorted(res["gbps"]):
+        print(f"  {k:32s} {res['median_s'][k] * 1e3:9.1f} ms  {res['gbps'][k]:7.2f} GB/s")
+    cold = res["cold"]
+    print(f"cold (page cache dropped: {cold['effective']}): fetch_vs_raw_read_cold="
+          f"{cold['fetch_vs_raw_read_cold']:.2f} fetch_vs_safetensors_cold={cold['fetch_vs_safetensors_cold']:.2f}")
+    for k, v in res["extra"].items():
+        print(f"  {k} = {v:.2f}")
+    print("ratios (ours / theirs in bandwidth; higher is better):")
+    for k, v in res["ratios"].items():
+        print(f"  {k} = {v:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
