@@ -1,1 +1,42 @@
-"""pivotrl.core"""
+"""pivotrl.core: pure policy (no Dask, torch, I/O or wall clock).
+
+Drivers use `Controller`; see docs/core-api.md.
+"""
+
+from pivotrl.core.controller import Controller
+from pivotrl.core.policies import (
+    Colocated,
+    Disaggregated,
+    Policy,
+    Shiftable,
+    ShiftPlan,
+    best_static_split,
+    bottleneck_cost,
+    make_policy,
+    static_splits,
+)
+from pivotrl.core.throughput import ThroughputModel
+from pivotrl.core.types import (
+    PIPELINE,
+    Assignment,
+    Candidate,
+    ControllerConfig,
+    Decision,
+    DeviceMove,
+    IterationPlan,
+    PlanReasoning,
+    Replica,
+    ReplicaShift,
+    ReplicaState,
+    Role,
+    RoleSpec,
+    SeqState,
+    Sequence,
+)
+
+__all__ = [
+    "PIPELINE", "Assignment", "Candidate", "Colocated", "Controller", "ControllerConfig", "Decision",
+    "DeviceMove", "Disaggregated", "IterationPlan", "PlanReasoning", "Policy", "Replica", "ReplicaShift",
+    "ReplicaState", "Role", "RoleSpec", "SeqState", "Sequence", "ShiftPlan", "Shiftable", "ThroughputModel",
+    "best_static_split", "bottleneck_cost", "make_policy", "static_splits",
+]

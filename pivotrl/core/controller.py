@@ -1,0 +1,260 @@
+"""`Controller`: the one object a driver (Dask scheduler plugin, simulator, test) talks to.
+
+Events in, decisions out, time always passed in. The driver reports what happened (`submit`, `on_progress`,
+`on_finished`, `on_step`, `on_shift_done`, `on_device_lost`) and asks what to do (`dispatch` for
+placements, `tick` for shifts). Every state-changing decision gets an id and a stimulus in `log`, the same
+way distributed's P2P shuffle stamps its state transitions, so a run can be replayed and explained.
+See docs/core-api.md for the driver's loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from pivotrl.core import dispatcher
+from pivotrl.core.policies import Policy, ShiftPlan, make_policy
+from pivotrl.core.shiftcost import ShiftCostModel
+from pivotrl.core.state import ClusterState
+from pivotrl.core.types import (
+    PIPELINE,
+    Assignment,
+    ControllerConfig,
+    Decision,
+    DeviceMove,
+    IterationPlan,
+    PlanReasoning,
+    Replica,
+    ReplicaShift,
+    ReplicaState,
+    Role,
+    RoleSpec,
+    Sequence,
+)
+
+
+class Controller:
+    """Owns the shared queues, replicas, throughput and shift-cost models, and the policy.
+
+    Parameters: `policy` (a `Policy` or a mode name for `make_policy`), `devices` (device ids known at start;
+    more can join with `add_device`), `devices_per_replica` (overrides `config.roles[r].devices_per_replica`),
+    `config`. Nothing here blocks, sleeps, reads a clock or does I/O.
+    """
+
+    def __init__(self, policy: Policy | str = "shiftable", devices: Iterable[str] = (),
+                 devices_per_replica: Mapping[Role | str, int] | None = None,
+                 config: ControllerConfig | None = None, now: float = 0.0) -> None:
+        config = config or ControllerConfig()
+        if devices_per_replica:
+            roles = dict(config.roles)
+            for r, g in devices_per_replica.items():
+                if int(g) < 1:
+                    raise ValueError(f"devices_per_replica[{r}] must be >= 1")
+                base = roles.get(Role(r), RoleSpec())
+                roles[Role(r)] = RoleSpec(**{**base.__dict__, "devices_per_replica": int(g)})
+            config = ControllerConfig(**{**config.__dict__, "roles": roles})
+        self.config = config
+        self.policy: Policy = make_policy(policy) if isinstance(policy, str) else policy
+        self.state = ClusterState(config, tuple(r for r in PIPELINE if r in config.roles) or PIPELINE)
+        self.shift_costs = ShiftCostModel(config.shift_prior_s, config.shift_cost_alpha)
+        self.log: list[dict[str, Any]] = []
+        self.last_reasoning: PlanReasoning | None = None
+        self._next_id = 0
+        self._pending: dict[str, tuple[float, tuple[DeviceMove, ...]]] = {}
+        for d in devices:
+            self.add_device(d, now)
+
+    # ==================================================================================================
+    # Events in
+    # ==================================================================================================
+    def add_device(self, device: str, now: float) -> None:
+        """A device (Dask worker) joined. It is free until a `tick` places it."""
+        self.state.add_device(device, now)
+        self._record(now, f"device_added:{device}", "device_added", extra={"device": device})
+
+    def begin_iteration(self, plan: IterationPlan, now: float) -> None:
+        """Tell the planner the iteration's structure (so future work counts), and reset its counters."""
+        self.state.plan = plan
+        for r in self.state.roles:
+            self.state.submitted[r] = 0
+            self.state.finished[r] = 0
+        self._record(now, f"iteration:{plan.iteration}", "iteration", extra={"plan": plan.__dict__})
+
+    def submit(self, seqs: Iterable[Sequence], now: float) -> None:
+        """New work: each sequence enters its role's shared queue (behind resumed work)."""
+        for s in seqs:
+            self.state.admit(s, now)
+
+    def on_progress(self, seq_id: str, generated: int, now: float, payload: Any = None) -> None:
+        """`generated` tokens are done for `seq_id` (counts only grow; an abort's partial reports here too).
+        `payload`, when given, replaces the opaque payload (the runtime keeps generated token ids there)."""
+        seq = self.state.seqs.get(seq_id)
+        if seq is None:
+            return  # finished or unknown: a late report, nothing to update
+        self.state.update_progress(seq, generated)
+        if payload is not None:
+            seq.payload = payload
+
+    def on_finished(self, seq_id: str, now: float, generated: int | None = None,
+                    payload: Any = None) -> Sequence:
+        """`seq_id` is done; returns it (with its payload) so the driver can feed the next stage."""
+        seq = self.state.seqs.get(seq_id)
+        if seq is None:
+            raise KeyError(f"sequence {seq_id} is not live (never submitted, or already finished)")
+        if generated is not None:
+            self.state.update_progress(seq, generated)
+        if payload is not None:
+            seq.payload = payload
+        self.state.finish(seq, now)
+        return seq
+
+    def on_step(self, replica_id: str, concurrency: int, step_time_s: float, now: float,
+                tokens: float | None = None) -> None:
+        """One engine step took `step_time_s` with `concurrency` sequences (`tokens` work, default one per
+        sequence). Feeds the replica's and its role's throughput fit."""
+        rep = self.state.replicas.get(replica_id)
+        if rep is None:
+            return
+        rep.model.observe(concurrency, step_time_s, tokens)
+        self.state.role_models[rep.role].observe(concurrency, step_time_s, tokens)
+
+    def on_shift_done(self, replica_id: str, now: float,
+                      phase_timings: Mapping[str, float] | None = None) -> Decision:
+        """Replica `replica_id` finished loading its role; it becomes active and gets work (shift-up
+        migration: queue first, then rebalance from the most loaded replicas). `phase_timings` (seconds per
+        phase, e.g. abort/offload/fetch/load/join) teach the shift-cost model; without them the time since
+        the shift was decided is used."""
+        rep = self.state.replicas.get(replica_id)
+        if rep is None or rep.state is not ReplicaState.SHIFTING:
+            raise KeyError(f"replica {replica_id} is not shifting")
+        started, moves = self._pending.pop(replica_id, (now, ()))
+        timings = dict(phase_timings) if phase_timings else {"total": max(now - started, 0.0)}
+        for from_role in {m.from_role for m in moves} or {None}:
+            self.shift_costs.observe(from_role, rep.role, timings)
+        rep.state = ReplicaState.ACTIVE
+        for d in rep.devices:
+            self.state.device_shifted_at[d] = now
+        aborts, assignments = dispatcher.shift_up(self.state, rep.role, [replica_id])
+        return self._record(now, f"shift_done:{replica_id}", "shift_up", aborts=aborts, dispatch=assignments,
+                            extra={"phase_timings": timings})
+
+    def on_device_lost(self, device: str, now: float) -> list[Sequence]:
+        """A device died. Its replica is dissolved, its sequences re-queued (keeping their tokens) and its
+        partner devices freed. Returns the re-queued sequences; call `dispatch` to place them."""
+        st = self.state
+        if device not in st.device_role:
+            return []
+        rid = st.device_replica[device]
+        requeued: list[Sequence] = []
+        aborts: dict[str, list[str]] = {}
+        if rid is not None:
+            rep = st.replicas[rid]
+            ids = dispatcher.abort_all(st, rep)
+            requeued = [st.seqs[i] for i in ids]
+            if ids:
+                aborts[rid] = ids
+            st.remove_replica(rid)
+            self._pending.pop(rid, None)
+        del st.device_role[device]
+        del st.device_replica[device]
+        st.device_shifted_at.pop(device, None)
+        self._record(now, f"device_lost:{device}", "device_lost", aborts=aborts,
+                     dissolved=[rid] if rid else [], extra={"device": device})
+        return requeued
+
+    # ==================================================================================================
+    # Decisions out
+    # ==================================================================================================
+    def dispatch(self, now: float) -> list[Assignment]:
+        """Place waiting sequences on active replicas (largest marginal throughput gain first)."""
+        return dispatcher.dispatch_all(self.state)
+
+    def tick(self, now: float) -> Decision | None:
+        """Ask the policy whether to shift; if so, execute its shift-down migration and return the
+        decision (aborts to run, replicas to form, the re-dispatch of the aborted work, the reasoning)."""
+        plan = self.policy.plan(self.state, self.shift_costs, now)
+        last = getattr(self.policy, "last", None)
+        if last is not None:
+            self.last_reasoning = last.reasoning
+        if plan is None or (not plan.dissolve and not plan.form):
+            return None
+        return self._execute(plan, now)
+
+    def _execute(self, plan: ShiftPlan, now: float) -> Decision:
+        st = self.state
+        origin: dict[str, tuple[Role | None, str | None]] = {}
+        for rid in plan.dissolve:
+            rep = st.replicas[rid]
+            for d in rep.devices:
+                origin[d] = (rep.role, rid)
+        aborts, assignments = dispatcher.shift_down(st, list(plan.dissolve))
+        shifts: list[ReplicaShift] = []
+        for role, devices in plan.form:
+            moves = tuple(DeviceMove(d, origin.get(d, (None, None))[0], role, origin.get(d, (None, None))[1])
+                          for d in devices)
+            rep = st.new_replica(role, tuple(devices), now, ReplicaState.SHIFTING)
+            self._pending[rep.replica_id] = (now, moves)
+            shifts.append(ReplicaShift(rep.replica_id, role, tuple(devices), moves))
+        return self._record(now, plan.stimulus, "shift", aborts=aborts, dissolved=list(plan.dissolve),
+                            shifts=shifts, dispatch=assignments, reasoning=plan.reasoning)
+
+    def _record(self, now: float, stimulus: str, kind: str, *, aborts: dict[str, list[str]] | None = None,
+                dissolved: list[str] | None = None, shifts: list[ReplicaShift] | None = None,
+                dispatch: list[Assignment] | None = None, reasoning: PlanReasoning | None = None,
+                extra: dict[str, Any] | None = None) -> Decision:
+        self._next_id += 1
+        dec = Decision(self._next_id, now, stimulus, kind, aborts or {}, dissolved or [], shifts or [],
+                       dispatch or [], reasoning)
+        entry = dec.as_dict()
+        if extra:
+            entry.update(extra)
+        self.log.append(entry)
+        return dec
+
+    # ==================================================================================================
+    # Inspection (read-only)
+    # ==================================================================================================
+    def replicas(self, role: Role | None = None) -> list[Replica]:
+        reps = self.state.replicas.values()
+        return [r for r in reps if role is None or r.role is role]
+
+    def role_of(self, device: str) -> Role | None:
+        return self.state.device_role.get(device)
+
+    def sequence(self, seq_id: str) -> Sequence | None:
+        return self.state.seqs.get(seq_id)
+
+    def waiting(self, role: Role) -> list[str]:
+        return self.state.queues[role].ids()
+
+    def has_work(self, role: Role | None = None) -> bool:
+        roles = self.state.roles if role is None else (role,)
+        return any(self.state.n_seqs[r] > 0 for r in roles)
+
+    def snapshot(self) -> dict[str, Any]:
+        """Per-role counts and rates, per-device role: what a dashboard or metrics exporter shows."""
+        st = self.state
+        roles = {}
+        for r in st.roles:
+            reps = list(st.by_role[r].values())
+            roles[str(r)] = {
+                "replicas": len(reps),
+                "active": sum(1 for x in reps if x.state is ReplicaState.ACTIVE),
+                "devices": sum(len(x.devices) for x in reps),
+                "waiting": len(st.queues[r]),
+                "running": sum(x.n for x in reps),
+                "remaining_tokens": st.remaining[r],
+                "tokens_per_s": sum(x.rate() for x in reps if x.state is ReplicaState.ACTIVE),
+            }
+        return {"roles": roles,
+                "devices": {d: (None if r is None else str(r)) for d, r in st.device_role.items()},
+                "free_devices": len(st.free_devices()),
+                "decisions": self._next_id}
+
+    def check_invariants(self) -> None:
+        self.state.check()
+        for rid in self._pending:
+            assert rid in self.state.replicas, rid
+
+
+__all__ = ["Controller"]

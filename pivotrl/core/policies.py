@@ -1,0 +1,239 @@
+"""Deployment paradigms behind one interface, so the runtime and the simulator compare them side by side.
+
+A policy looks at the state and returns a `ShiftPlan` (replicas to dissolve, replicas to form) or None; the
+controller executes it (Abort/Dispatch migration, bookkeeping, decision log). Policies never dispatch.
+
+- `colocated`: every device serves one role at a time — rollout, then reward, then train — and the whole
+  cluster switches only when the current stage has no work left (nor any coming from upstream).
+- `disaggregated`: a static split (given, or `best_static_split` over an analytic bottleneck model);
+  stages stream into each other; devices never change role (a lost device's partners re-join their role).
+- `shiftable`: the five-step planner (`planner.plan`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+
+from pivotrl.core import planner
+from pivotrl.core.shiftcost import ShiftCostModel
+from pivotrl.core.state import ClusterState
+from pivotrl.core.types import PIPELINE, PlanReasoning, ReplicaState, Role
+
+
+@dataclass(frozen=True)
+class ShiftPlan:
+    """Dissolve `dissolve` (replica ids, after aborting their work), then form one replica per entry of
+    `form` (role, devices) from the devices freed plus free ones."""
+
+    dissolve: tuple[str, ...]
+    form: tuple[tuple[Role, tuple[str, ...]], ...]
+    stimulus: str
+    reasoning: PlanReasoning | None = None
+
+
+class Policy:
+    """Base: `initial_split` (devices per role) is used to place free devices before any work exists."""
+
+    name = "policy"
+
+    def __init__(self, initial_split: Mapping[Role | str, int] | None = None) -> None:
+        self.initial_split = (None if initial_split is None
+                              else {Role(k): int(v) for k, v in initial_split.items()})
+
+    def plan(self, state: ClusterState, costs: ShiftCostModel, now: float) -> ShiftPlan | None:
+        raise NotImplementedError
+
+    # -- shared helpers --------------------------------------------------------------------------------
+    def _fill_split(self, state: ClusterState, split: Mapping[Role, int], stimulus: str) -> ShiftPlan | None:
+        """Form replicas from free devices until each role holds its share of devices (in pipeline order)."""
+        free = sorted(state.free_devices())
+        form: list[tuple[Role, tuple[str, ...]]] = []
+        for role in state.roles:
+            g = state.config.devices_per_replica(role)
+            have = sum(len(r.devices) for r in state.by_role[role].values())
+            want = split.get(role, 0)
+            while have + g <= want and len(free) >= g:
+                form.append((role, tuple(free[:g])))
+                free = free[g:]
+                have += g
+        return ShiftPlan((), tuple(form), stimulus) if form else None
+
+
+def role_has_work(state: ClusterState, role: Role) -> bool:
+    return state.n_seqs[role] > 0
+
+
+def future_work(state: ClusterState, role: Role) -> bool:
+    """Will `role` still receive work this iteration (from upstream stages or unsubmitted rollouts)?"""
+    if role not in PIPELINE:
+        return False
+    if any(state.n_seqs.get(up, 0) > 0 for up in PIPELINE[: PIPELINE.index(role)]):
+        return True
+    plan = state.plan
+    return plan is not None and plan.rollout_seqs > state.submitted[Role.ROLLOUT]
+
+
+class Colocated(Policy):
+    name = "colocated"
+
+    def plan(self, state: ClusterState, costs: ShiftCostModel, now: float) -> ShiftPlan | None:
+        if any(r.state is ReplicaState.SHIFTING for r in state.replicas.values()):
+            return None  # the whole cluster is switching; wait for it
+        current = next((r for r in state.roles if state.by_role[r]), None)
+        if current is not None and (role_has_work(state, current) or future_work(state, current)):
+            # Stay; free devices (new or orphaned by a lost partner) join the current stage.
+            return self._fill_split(state, {current: len(state.device_role)}, "colocated:join")
+        start = 0 if current is None else (state.roles.index(current) + 1)
+        order = [state.roles[(start + i) % len(state.roles)] for i in range(len(state.roles))]
+        target = next((r for r in order if role_has_work(state, r)), None)
+        if target is None:
+            if current is None and state.free_devices():
+                # Nothing to do yet: warm the first stage (or the given split) so work starts at once.
+                split = self.initial_split or {state.roles[0]: len(state.device_role)}
+                return self._fill_split(state, split, "initial")
+            return None
+        if target is current:
+            return None
+        dissolve = tuple(r for role in state.roles for r in state.by_role[role])
+        devices = sorted(state.free_devices() + [d for rid in dissolve for d in state.replicas[rid].devices])
+        g = state.config.devices_per_replica(target)
+        form = tuple((target, tuple(devices[i:i + g])) for i in range(0, len(devices) - g + 1, g))
+        return ShiftPlan(dissolve, form, f"colocated:{current}->{target}")
+
+
+class Disaggregated(Policy):
+    name = "disaggregated"
+
+    def __init__(self, split: Mapping[Role | str, int] | None = None) -> None:
+        super().__init__(split)
+
+    def plan(self, state: ClusterState, costs: ShiftCostModel, now: float) -> ShiftPlan | None:
+        if not state.free_devices():
+            return None
+        split = self.initial_split
+        if split is None:
+            split = default_split(state)
+        return self._fill_split(state, split, "disaggregated:place")
+
+
+class Shiftable(Policy):
+    name = "shiftable"
+
+    def __init__(self, initial_split: Mapping[Role | str, int] | None = None) -> None:
+        super().__init__(initial_split)
+        self.last: planner.PlanResult | None = None
+
+    def plan(self, state: ClusterState, costs: ShiftCostModel, now: float) -> ShiftPlan | None:
+        if self.initial_split and not state.replicas and state.free_devices():
+            return self._fill_split(state, self.initial_split, "initial")
+        result = planner.plan(state, costs, now)
+        self.last = result
+        if result.chosen is None or result.to_role is None:
+            return None
+        dissolve = tuple(d.replica_id for d in result.donors if d.replica_id is not None)
+        devices = [d.device for d in result.donors if d.device is not None]
+        for rid in dissolve:
+            devices.extend(state.replicas[rid].devices)
+        g = state.config.devices_per_replica(result.to_role)
+        form = tuple((result.to_role, tuple(devices[i:i + g])) for i in range(0, len(devices) - g + 1, g))
+        tau_u = result.reasoning.tau.get(str(result.to_role), 0.0)
+        return ShiftPlan(dissolve, form, f"planner:tau[{result.to_role}]={tau_u:.3g}", result.reasoning)
+
+
+# ------------------------------------------------------------------------------------------------------
+# Static splits
+# ------------------------------------------------------------------------------------------------------
+
+
+def static_splits(n_devices: int, devices_per_replica: Mapping[Role, int],
+                  roles: tuple[Role, ...] = PIPELINE) -> Iterator[dict[Role, int]]:
+    """Every split of `n_devices` giving each role ≥ 1 whole replica (devices, multiples of g_r)."""
+    gs = [max(int(devices_per_replica.get(r, 1)), 1) for r in roles]
+    ranges = [range(1, n_devices // g + 1) for g in gs]
+    for counts in itertools.product(*ranges):
+        used = sum(c * g for c, g in zip(counts, gs))
+        if used <= n_devices:
+            yield {r: c * g for r, c, g in zip(roles, counts, gs)}
+
+
+def bottleneck_cost(work_tokens: Mapping[Role, float],
+                    replica_rate: Mapping[Role, float],
+                    devices_per_replica: Mapping[Role, int]) -> Callable[[Mapping[Role, int]], float]:
+    """Streaming-pipeline time of one iteration under a split: the slowest stage,
+    W_r / (replicas_r · rate_r)."""
+
+    def cost(split: Mapping[Role, int]) -> float:
+        worst = 0.0
+        for r, w in work_tokens.items():
+            if w <= 0:
+                continue
+            reps = split.get(r, 0) // max(int(devices_per_replica.get(r, 1)), 1)
+            rate = replica_rate.get(r, 0.0)
+            if reps <= 0 or rate <= 0:
+                return math.inf
+            worst = max(worst, w / (reps * rate))
+        return worst
+
+    return cost
+
+
+def best_static_split(n_devices: int, devices_per_replica: Mapping[Role, int],
+                      cost: Callable[[Mapping[Role, int]], float],
+                      roles: tuple[Role, ...] = PIPELINE) -> dict[Role, int]:
+    """The split (devices per role) with the lowest `cost` (e.g. `bottleneck_cost`, or a simulator run).
+
+    Exhaustive over splits where every device is used if possible (ties: prefer more devices in use, then
+    earlier roles). Raises ValueError if no role mix fits.
+    """
+    best: tuple[float, int, tuple[int, ...]] | None = None
+    best_split: dict[Role, int] | None = None
+    for split in static_splits(n_devices, devices_per_replica, roles):
+        used = sum(split.values())
+        key = (cost(split), -used, tuple(-split[r] for r in roles))
+        if best is None or key < best:
+            best, best_split = key, split
+    if best_split is None:
+        raise ValueError(f"{n_devices} device(s) cannot hold one replica of each role "
+                         f"(devices per replica {dict(devices_per_replica)})")
+    return best_split
+
+
+def default_split(state: ClusterState) -> dict[Role, int]:
+    """A static split from what the controller knows: the iteration plan's work and the role priors."""
+    n = len(state.device_role)
+    gs = {r: state.config.devices_per_replica(r) for r in state.roles}
+    plan = state.plan
+    if plan is not None:
+        work = {Role.ROLLOUT: plan.rollout_seqs * plan.rollout_tokens_per_seq,
+                Role.REWARD: plan.rollout_seqs * plan.reward_tokens_per_rollout,
+                Role.TRAIN: plan.rollout_seqs / max(plan.group_size, 1) * plan.train_tokens_per_group}
+    else:
+        work = {r: 1.0 for r in state.roles}
+    rates = {r: state.role_models[r].rate(state.config.spec(r).max_seqs) for r in state.roles}
+    try:
+        return best_static_split(n, gs, bottleneck_cost(work, rates, gs), state.roles)
+    except ValueError:
+        # Too few devices for one replica per role: give them to the earliest roles that fit.
+        out: dict[Role, int] = dict.fromkeys(state.roles, 0)
+        left = n
+        for r in state.roles:
+            if gs[r] <= left:
+                out[r] = gs[r]
+                left -= gs[r]
+        return out
+
+
+def make_policy(mode: str, *, static_split: Mapping[Role | str, int] | None = None,
+                initial_split: Mapping[Role | str, int] | None = None) -> Policy:
+    """`colocated` | `disaggregated` (with an optional `static_split`) | `shiftable` (optional initial
+    split). A bad mode is a ValueError; the config layer already restricts it."""
+    if mode == "colocated":
+        return Colocated(initial_split)
+    if mode == "disaggregated":
+        return Disaggregated(static_split)
+    if mode == "shiftable":
+        return Shiftable(initial_split)
+    raise ValueError(f"unknown scheduler mode {mode!r}; choose colocated, disaggregated or shiftable")

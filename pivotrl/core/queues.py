@@ -1,0 +1,65 @@
+"""One shared waiting queue per role.
+
+Order: sequences that were aborted (and so carry generated tokens) come before every sequence that was never
+started, and within each class the oldest submission first. Putting resumed work first is what makes the tail
+shrink after a shift instead of being pushed behind fresh work. A heap keeps push/pop O(log N); removal of an
+arbitrary sequence (a lost device's work is re-queued, a sequence cancelled) is lazy.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+from pivotrl.core.types import Sequence
+
+
+class WaitingQueue:
+    def __init__(self) -> None:
+        self._heap: list[tuple[int, int, str]] = []
+        self._live: dict[str, tuple[int, int, str]] = {}
+        self._seqs: dict[str, Sequence] = {}
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def __contains__(self, seq_id: str) -> bool:
+        return seq_id in self._live
+
+    def push(self, seq: Sequence, order: int) -> None:
+        """Queue `seq`; `order` is its submission number (smaller = older)."""
+        if seq.seq_id in self._live:
+            raise ValueError(f"sequence {seq.seq_id} is already waiting")
+        key = (0 if seq.aborts > 0 else 1, order, seq.seq_id)
+        self._live[seq.seq_id] = key
+        self._seqs[seq.seq_id] = seq
+        heapq.heappush(self._heap, key)
+
+    def _prune(self) -> None:
+        heap = self._heap
+        while heap and self._live.get(heap[0][2]) != heap[0]:
+            heapq.heappop(heap)
+
+    def peek(self) -> Sequence | None:
+        self._prune()
+        return self._seqs[self._heap[0][2]] if self._heap else None
+
+    def pop(self) -> Sequence | None:
+        self._prune()
+        if not self._heap:
+            return None
+        key = heapq.heappop(self._heap)
+        del self._live[key[2]]
+        return self._seqs.pop(key[2])
+
+    def remove(self, seq_id: str) -> Sequence | None:
+        if seq_id not in self._live:
+            return None
+        del self._live[seq_id]
+        return self._seqs.pop(seq_id)
+
+    def ids(self) -> list[str]:
+        """Waiting sequence ids in dispatch order (O(N log N); for tests and inspection)."""
+        return [k[2] for k in sorted(self._live.values())]
+
+    def values(self) -> list[Sequence]:
+        return list(self._seqs.values())

@@ -1,0 +1,47 @@
+"""How long a shift takes, per (from_role, to_role), learned from the phase timings drivers report.
+
+A shift is abort → offload → fetch weights (from the nearest GPS tier) → load → join; the driver times each
+phase and reports them in `Controller.on_shift_done`. We keep an exponentially weighted mean of the total per
+pair (and of each phase, for the log and dashboard). A pair never measured borrows the mean of its target
+role (fetch + load dominate and depend on the model being loaded), then the configured prior.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from pivotrl.core.types import Role
+
+
+class ShiftCostModel:
+    def __init__(self, prior_s: float = 5.0, alpha: float = 0.3) -> None:
+        if prior_s < 0 or not 0 < alpha <= 1:
+            raise ValueError("shift cost prior must be >= 0 and alpha in (0, 1]")
+        self.prior_s = float(prior_s)
+        self.alpha = float(alpha)
+        self._pair: dict[tuple[Role | None, Role], float] = {}
+        self._to: dict[Role, float] = {}
+        self.phases: dict[tuple[Role | None, Role], dict[str, float]] = {}
+        self.samples: dict[tuple[Role | None, Role], int] = {}
+
+    def observe(self, from_role: Role | None, to_role: Role, phase_timings: Mapping[str, float]) -> float:
+        """Record one measured shift; returns its total duration (sum of phases)."""
+        total = float(sum(max(float(v), 0.0) for v in phase_timings.values()))
+        key = (from_role, to_role)
+        a = self.alpha
+        self._pair[key] = total if key not in self._pair else (1 - a) * self._pair[key] + a * total
+        self._to[to_role] = total if to_role not in self._to else (1 - a) * self._to[to_role] + a * total
+        ph = self.phases.setdefault(key, {})
+        for name, v in phase_timings.items():
+            v = max(float(v), 0.0)
+            ph[name] = v if name not in ph else (1 - a) * ph[name] + a * v
+        self.samples[key] = self.samples.get(key, 0) + 1
+        return total
+
+    def duration(self, from_role: Role | None, to_role: Role) -> float:
+        """Expected seconds a device is unproductive when moving from `from_role` to `to_role`."""
+        got = self._pair.get((from_role, to_role))
+        if got is not None:
+            return got
+        got = self._to.get(to_role)
+        return self.prior_s if got is None else got

@@ -1,0 +1,227 @@
+"""The controller's bookkeeping: every live sequence, every replica, every device, and per-role aggregates.
+
+All mutations of sequence placement go through the few methods here (`enqueue`, `start`, `abort`,
+`finish`, `update_progress`, replica add/remove), so the aggregates the planner reads (sequence counts,
+remaining-work sums, per-role running totals) are always exact and cost O(1) to read — the planner never walks
+sequences. `check()` re-derives everything from scratch; tests call it after every step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from pivotrl.core.queues import WaitingQueue
+from pivotrl.core.throughput import ThroughputModel
+from pivotrl.core.types import (
+    PIPELINE,
+    ControllerConfig,
+    IterationPlan,
+    Replica,
+    ReplicaState,
+    Role,
+    SeqState,
+    Sequence,
+)
+
+
+class ClusterState:
+    def __init__(self, config: ControllerConfig, roles: Iterable[Role] = PIPELINE) -> None:
+        self.config = config
+        self.roles: tuple[Role, ...] = tuple(roles)
+        self.seqs: dict[str, Sequence] = {}
+        self.queues: dict[Role, WaitingQueue] = {r: WaitingQueue() for r in self.roles}
+        self.replicas: dict[str, Replica] = {}
+        self.by_role: dict[Role, dict[str, Replica]] = {r: {} for r in self.roles}
+        # Devices: role (None = free), the replica holding it, when it last changed role.
+        self.device_role: dict[str, Role | None] = {}
+        self.device_replica: dict[str, str | None] = {}
+        self.device_shifted_at: dict[str, float] = {}
+        # Aggregates per role over live (waiting + running) sequences.
+        self.n_seqs: dict[Role, int] = dict.fromkeys(self.roles, 0)
+        self.remaining: dict[Role, float] = dict.fromkeys(self.roles, 0.0)
+        self.kv_sum: dict[Role, int] = dict.fromkeys(self.roles, 0)
+        self.role_models: dict[Role, ThroughputModel] = {}
+        for r in self.roles:
+            spec = config.spec(r)
+            self.role_models[r] = ThroughputModel(
+                spec.prior_step_a_s, spec.prior_step_b_s, spec.tokens_per_seq_step, config.decay,
+                config.prior_weight, prior_x=float(max(1, min(spec.max_seqs, 64))) * spec.tokens_per_seq_step)
+        self._order = 0
+        self._replica_counter = 0
+        # Iteration structure, for the work each role will still receive from upstream.
+        self.plan: IterationPlan | None = None
+        self.submitted: dict[Role, int] = dict.fromkeys(self.roles, 0)
+        self.finished: dict[Role, int] = dict.fromkeys(self.roles, 0)
+
+    # -- devices and replicas -----------------------------------------------------------------------
+    def add_device(self, device: str, now: float) -> None:
+        if device in self.device_role:
+            raise ValueError(f"device {device!r} already known")
+        self.device_role[device] = None
+        self.device_replica[device] = None
+        self.device_shifted_at[device] = float("-inf")
+
+    def free_devices(self) -> list[str]:
+        return [d for d, r in self.device_replica.items() if r is None]
+
+    def new_replica(self, role: Role, devices: tuple[str, ...], now: float,
+                    state: ReplicaState = ReplicaState.SHIFTING) -> Replica:
+        spec = self.config.spec(role)
+        if len(devices) != spec.devices_per_replica:
+            raise ValueError(f"a {role} replica needs {spec.devices_per_replica} device(s), "
+                             f"got {len(devices)}")
+        for d in devices:
+            if self.device_replica.get(d, "missing") is not None:
+                raise ValueError(f"device {d!r} is not free")
+        self._replica_counter += 1
+        rid = f"{role}-{self._replica_counter}"
+        rep = Replica(rid, role, tuple(devices), spec.max_seqs, spec.kv_tokens,
+                      self.role_models[role].spawn(), state=state, created_at=now)
+        self.replicas[rid] = rep
+        self.by_role[role][rid] = rep
+        for d in devices:
+            if self.device_role[d] != role:
+                self.device_shifted_at[d] = now
+            self.device_role[d] = role
+            self.device_replica[d] = rid
+        return rep
+
+    def remove_replica(self, rid: str) -> Replica:
+        """Dissolve an (empty) replica; its devices become free (and keep their last role for the record)."""
+        rep = self.replicas[rid]
+        if rep.running:
+            raise ValueError(f"replica {rid} still runs {len(rep.running)} sequence(s)")
+        del self.replicas[rid]
+        del self.by_role[rep.role][rid]
+        for d in rep.devices:
+            if d in self.device_replica:
+                self.device_replica[d] = None
+                self.device_role[d] = None
+        return rep
+
+    def active(self, role: Role) -> list[Replica]:
+        return [r for r in self.by_role[role].values() if r.state is ReplicaState.ACTIVE]
+
+    # -- sequences ----------------------------------------------------------------------------------
+    def admit(self, seq: Sequence, now: float) -> None:
+        if seq.role not in self.queues:
+            raise ValueError(f"sequence {seq.seq_id}: unknown role {seq.role!r}")
+        if seq.seq_id in self.seqs:
+            raise ValueError(f"sequence {seq.seq_id} already submitted")
+        spec = self.config.spec(seq.role)
+        if seq.kv_tokens > spec.kv_tokens:
+            raise ValueError(f"sequence {seq.seq_id} needs {seq.kv_tokens} KV tokens; a {seq.role} replica "
+                             f"holds {spec.kv_tokens}")
+        seq.state = SeqState.WAITING
+        seq.replica_id = None
+        seq.order = -1
+        seq.submitted_at = now
+        self.seqs[seq.seq_id] = seq
+        r = seq.role
+        self.n_seqs[r] += 1
+        self.remaining[r] += seq.remaining_estimate()
+        self.kv_sum[r] += seq.kv_tokens
+        self.submitted[r] += 1
+        self._enqueue(seq)
+
+    def _enqueue(self, seq: Sequence) -> None:
+        # Keep the first submission number: an aborted sequence is ordered by when it was first submitted.
+        if seq.order < 0:
+            self._order += 1
+            seq.order = self._order
+        self.queues[seq.role].push(seq, seq.order)
+
+    def start(self, seq: Sequence, rep: Replica) -> None:
+        """Waiting → running on `rep` (the caller has popped it from the queue and checked capacity)."""
+        seq.state = SeqState.RUNNING
+        seq.replica_id = rep.replica_id
+        rep.running[seq.seq_id] = seq
+        rep.kv_used += seq.kv_tokens
+        rep.remaining += seq.remaining_estimate()
+        rep.context += seq.context_tokens
+
+    def _detach(self, seq: Sequence) -> Replica | None:
+        if seq.state is SeqState.RUNNING:
+            rep = self.replicas[seq.replica_id]  # type: ignore[index]
+            del rep.running[seq.seq_id]
+            rep.kv_used -= seq.kv_tokens
+            rep.remaining -= seq.remaining_estimate()
+            rep.context -= seq.context_tokens
+            if not rep.running:
+                rep.remaining = 0.0  # drop float drift
+            seq.replica_id = None
+            return rep
+        if seq.state is SeqState.WAITING:
+            self.queues[seq.role].remove(seq.seq_id)
+        return None
+
+    def abort(self, seq: Sequence) -> None:
+        """Running → waiting, ahead of every never-started sequence; generated tokens are kept."""
+        if seq.state is not SeqState.RUNNING:
+            raise ValueError(f"sequence {seq.seq_id} is {seq.state}, not running")
+        self._detach(seq)
+        seq.aborts += 1
+        seq.state = SeqState.WAITING
+        self._enqueue(seq)
+
+    def finish(self, seq: Sequence, now: float) -> None:
+        self._detach(seq)
+        r = seq.role
+        self.n_seqs[r] -= 1
+        self.remaining[r] -= seq.remaining_estimate()
+        self.kv_sum[r] -= seq.kv_tokens
+        if self.n_seqs[r] == 0:
+            self.remaining[r] = 0.0
+        self.finished[r] += 1
+        seq.state = SeqState.FINISHED
+        seq.finished_at = now
+        del self.seqs[seq.seq_id]
+
+    def update_progress(self, seq: Sequence, generated: int) -> None:
+        """Raise `generated` (never lower it: tokens once generated are kept across aborts)."""
+        generated = min(int(generated), seq.max_new_tokens)
+        if generated <= seq.generated:
+            return
+        before = seq.remaining_estimate()
+        grown = generated - seq.generated
+        seq.generated = generated
+        delta = seq.remaining_estimate() - before
+        self.remaining[seq.role] += delta
+        if seq.state is SeqState.RUNNING:
+            rep = self.replicas[seq.replica_id]  # type: ignore[index]
+            rep.remaining += delta
+            rep.context += grown
+
+    # -- invariants ---------------------------------------------------------------------------------
+    def check(self) -> None:
+        """Re-derive every aggregate and placement from scratch and compare; raise AssertionError if off."""
+        seen: dict[str, str] = {}
+        for rid, rep in self.replicas.items():
+            assert rep.role in self.by_role and rid in self.by_role[rep.role], rid
+            assert len(rep.running) <= rep.max_seqs, f"{rid} over seq capacity"
+            assert rep.kv_used == sum(s.kv_tokens for s in rep.running.values()), rid
+            assert rep.kv_used <= rep.kv_capacity, f"{rid} over KV capacity"
+            assert rep.context == sum(s.context_tokens for s in rep.running.values()), rid
+            assert abs(rep.remaining - sum(s.remaining_estimate() for s in rep.running.values())) < 1e-6 * (
+                1 + abs(rep.remaining)), rid
+            for sid, s in rep.running.items():
+                assert sid not in seen, f"{sid} on two replicas"
+                seen[sid] = rid
+                assert s.state is SeqState.RUNNING and s.replica_id == rid, sid
+                assert self.seqs.get(sid) is s, sid
+            for d in rep.devices:
+                assert self.device_replica.get(d) == rid and self.device_role.get(d) == rep.role, d
+            if rep.state is ReplicaState.SHIFTING:
+                assert not rep.running, f"{rid} runs work while shifting"
+        for role, q in self.queues.items():
+            for s in q.values():
+                assert s.seq_id not in seen, f"{s.seq_id} both waiting and running"
+                assert s.state is SeqState.WAITING and s.role is role and s.replica_id is None, s.seq_id
+                seen[s.seq_id] = "queue"
+        assert set(seen) == set(self.seqs), "a live sequence is neither waiting nor running"
+        for role in self.roles:
+            live = [s for s in self.seqs.values() if s.role is role]
+            assert self.n_seqs[role] == len(live), role
+            assert self.kv_sum[role] == sum(s.kv_tokens for s in live), role
+            want = sum(s.remaining_estimate() for s in live)
+            assert abs(self.remaining[role] - want) < 1e-6 * (1 + want), role

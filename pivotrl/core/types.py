@@ -1,0 +1,324 @@
+"""The vocabulary every part of pivotrl shares: roles, sequences, replicas, decisions.
+
+These are plain data. Behaviour lives elsewhere in `pivotrl.core` (queues, throughput, dispatcher, planner,
+policies, controller). Nothing here reads a clock or touches I/O: every time stamp is passed in by the
+driver (the Dask scheduler plugin or the simulator), which is what lets both drive the same decisions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from pivotrl.core.throughput import ThroughputModel
+
+
+class Role(StrEnum):
+    """What a device does. The order of `PIPELINE` is the order work flows in one GRPO iteration."""
+
+    ROLLOUT = "rollout"
+    REWARD = "reward"
+    TRAIN = "train"
+
+
+#: Upstream-to-downstream order: rollout output feeds reward, reward output (whole groups) feeds train.
+PIPELINE: tuple[Role, ...] = (Role.ROLLOUT, Role.REWARD, Role.TRAIN)
+
+
+class SeqState(StrEnum):
+    """A sequence's life: waiting → running (on one replica) → finished; an abort sends it back to waiting."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class ReplicaState(StrEnum):
+    """`shifting`: formed by a decision, loading its role context, not yet dispatchable.
+    `active`: serving its role. `idle` is never stored on a replica; free devices have no replica."""
+
+    ACTIVE = "active"
+    SHIFTING = "shifting"
+    IDLE = "idle"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One unit of work for a role: a rollout response, a GenRM judgement, or a train item.
+
+    `generated` counts work done so far (tokens decoded, or train tokens processed) and survives aborts: an
+    aborted sequence resumes from it. `payload` is opaque to core (the runtime keeps token ids there, the
+    simulator the true length). For a train item, `prompt_tokens` is 0 and `max_new_tokens` is the item's
+    token count (the work), so the planner treats all roles alike.
+    """
+
+    seq_id: str
+    role: Role
+    prompt_tokens: int
+    max_new_tokens: int
+    generated: int = 0
+    expected_new_tokens: float | None = None
+    iteration: int = 0
+    group_id: str | None = None
+    payload: Any = None
+    # Bookkeeping owned by the controller (read-only for drivers).
+    state: SeqState = SeqState.WAITING
+    replica_id: str | None = None
+    aborts: int = 0
+    order: int = -1
+    submitted_at: float = 0.0
+    finished_at: float | None = None
+
+    def remaining_estimate(self) -> float:
+        """Expected work still to do, in tokens. Never below 1 while not done, never above the budget left.
+
+        Without an estimate we assume half the remaining budget (long-tailed lengths make the mean a poor
+        guide, the budget an upper bound).
+        """
+        budget = max(self.max_new_tokens - self.generated, 0)
+        if budget == 0:
+            return 0.0
+        if self.expected_new_tokens is None:
+            return max(budget / 2.0, 1.0)
+        return float(min(max(self.expected_new_tokens - self.generated, 1.0), budget))
+
+    @property
+    def kv_tokens(self) -> int:
+        """KV tokens this sequence reserves on a replica: prompt plus its whole generation budget.
+
+        Reserving the budget (rather than growing) means an admitted sequence can never push a replica over
+        its KV capacity later, so admission is the only place capacity must be checked.
+        """
+        return self.prompt_tokens + self.max_new_tokens
+
+    @property
+    def context_tokens(self) -> int:
+        """Tokens that must be prefilled again if this sequence is aborted and resumed elsewhere."""
+        return self.prompt_tokens + self.generated
+
+
+@dataclass(frozen=True)
+class RoleSpec:
+    """How replicas of one role are built and what a new one is assumed to do before it is measured.
+
+    `prior_step_a_s` / `prior_step_b_s` are the prior of step_time(x) = a + b·x seconds where x is work per
+    step (tokens decoded per step = concurrency for generation; tokens per micro-batch for train).
+    `tokens_per_seq_step` is x per running sequence per step (1 for decoding; an item's tokens for train).
+    """
+
+    devices_per_replica: int = 1
+    max_seqs: int = 256
+    kv_tokens: int = 1 << 22
+    prior_step_a_s: float = 0.02
+    prior_step_b_s: float = 0.0002
+    tokens_per_seq_step: float = 1.0
+    prefill_tokens_per_s: float = 20000.0
+
+
+@dataclass(frozen=True)
+class ControllerConfig:
+    """Knobs of the controller. Defaults are sane for the CPU quickstart and the simulator alike.
+
+    horizon_s: H, the look-ahead over which the planner counts expected work (step 4).
+    hysteresis: a plan must beat `hysteresis × (work the cluster does over H)` to be taken, so the planner
+        does not flap between near-equal allocations.
+    cooldown_s: a device that just shifted may not shift again for this long.
+    decay: per-sample recency weight of the throughput fit (older samples weigh decay**age).
+    prior_weight: pseudo-samples the prior step-time line is worth against measurements.
+    shift_prior_s: assumed shift duration for a (from, to) pair never measured yet.
+    max_shift_fraction: at most this fraction of the devices move in one decision.
+    """
+
+    roles: dict[Role, RoleSpec] = field(default_factory=lambda: {r: RoleSpec() for r in PIPELINE})
+    horizon_s: float = 10.0
+    hysteresis: float = 0.05
+    cooldown_s: float = 2.0
+    decay: float = 0.95
+    prior_weight: float = 2.0
+    shift_prior_s: float = 5.0
+    shift_cost_alpha: float = 0.3
+    max_shift_fraction: float = 1.0
+
+    def spec(self, role: Role) -> RoleSpec:
+        return self.roles.get(role) or RoleSpec()
+
+    def devices_per_replica(self, role: Role) -> int:
+        return self.spec(role).devices_per_replica
+
+
+@dataclass(frozen=True)
+class IterationPlan:
+    """What the driver tells the controller about one iteration, so each role's *future* work is known.
+
+    rollout_seqs: rollout sequences this iteration (P prompts × group size).
+    rollout_tokens_per_seq: expected response length, for rollouts not submitted yet.
+    reward_tokens_per_rollout: expected GenRM tokens (judge output) per finished rollout.
+    train_tokens_per_group: expected train tokens per finished group.
+    """
+
+    iteration: int
+    rollout_seqs: int
+    group_size: int = 1
+    rollout_tokens_per_seq: float = 128.0
+    reward_tokens_per_rollout: float = 64.0
+    train_tokens_per_group: float = 512.0
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """Start (or resume, when `seq.generated > 0`) sequence `seq_id` on replica `replica_id`."""
+
+    seq_id: str
+    replica_id: str
+
+
+@dataclass(frozen=True)
+class DeviceMove:
+    """One device leaving `from_role` (None = a free device) for `to_role`."""
+
+    device: str
+    from_role: Role | None
+    to_role: Role
+    from_replica: str | None
+
+
+@dataclass(frozen=True)
+class ReplicaShift:
+    """A replica of `to_role` formed from `devices`; it is `shifting` until the driver reports it ready
+    through `Controller.on_shift_done(replica_id, ...)`. `moves` says where each device came from."""
+
+    replica_id: str
+    to_role: Role
+    devices: tuple[str, ...]
+    moves: tuple[DeviceMove, ...]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One plan the planner weighed: free `devices` devices by dissolving `donors` (replica ids), to form
+    `new_replicas` replicas of the shift-up role. G, φ, B in device-seconds of work over the horizon."""
+
+    devices: int
+    donors: tuple[str, ...]
+    donors_per_role: dict[str, int]
+    new_replicas: int
+    gain: float
+    penalty: float
+
+    @property
+    def benefit(self) -> float:
+        return self.gain - self.penalty
+
+
+@dataclass(frozen=True)
+class PlanReasoning:
+    """Why the planner did (or did not) shift: inputs and every candidate, for the log and the dashboard."""
+
+    now: float
+    tau: dict[str, float]
+    throughput: dict[str, float]
+    work_tokens: dict[str, float]
+    shift_up_role: str | None
+    candidates: tuple[Candidate, ...]
+    chosen: Candidate | None
+    threshold: float
+    note: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "now": self.now,
+            "tau": dict(self.tau),
+            "throughput": dict(self.throughput),
+            "work_tokens": dict(self.work_tokens),
+            "shift_up_role": self.shift_up_role,
+            "threshold": self.threshold,
+            "note": self.note,
+            "candidates": [
+                {"devices": c.devices, "donors": list(c.donors), "donors_per_role": dict(c.donors_per_role),
+                 "new_replicas": c.new_replicas, "G": c.gain, "phi": c.penalty, "B": c.benefit}
+                for c in self.candidates
+            ],
+            "chosen": None if self.chosen is None else {
+                "devices": self.chosen.devices, "donors": list(self.chosen.donors),
+                "G": self.chosen.gain, "phi": self.chosen.penalty, "B": self.chosen.benefit},
+        }
+
+
+@dataclass
+class Decision:
+    """What the driver must execute, in this order:
+
+    1. `aborts`: abort these sequences on these replicas and report each partial through
+       `Controller.on_progress(seq_id, generated, now, payload=...)` (the controller already re-queued them);
+    2. `shifts`: replicas to dissolve are already gone from the controller; start loading each new
+       replica's role context on its devices and call `on_shift_done(replica_id, ...)` when it is ready;
+    3. `dispatch`: start these (possibly resumed) sequences on these replicas.
+    """
+
+    decision_id: int
+    now: float
+    stimulus: str
+    kind: str
+    aborts: dict[str, list[str]] = field(default_factory=dict)
+    dissolved: list[str] = field(default_factory=list)
+    shifts: list[ReplicaShift] = field(default_factory=list)
+    dispatch: list[Assignment] = field(default_factory=list)
+    reasoning: PlanReasoning | None = None
+
+    @property
+    def device_moves(self) -> list[tuple[str, Role | None, Role]]:
+        """Every (device, from_role, to_role) this decision moves."""
+        return [(m.device, m.from_role, m.to_role) for s in self.shifts for m in s.moves]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "decision_id": self.decision_id,
+            "now": self.now,
+            "stimulus": self.stimulus,
+            "kind": self.kind,
+            "aborts": {k: list(v) for k, v in self.aborts.items()},
+            "dissolved": list(self.dissolved),
+            "shifts": [
+                {"replica_id": s.replica_id, "to_role": str(s.to_role), "devices": list(s.devices),
+                 "from": [[m.device, None if m.from_role is None else str(m.from_role), m.from_replica]
+                          for m in s.moves]}
+                for s in self.shifts
+            ],
+            "dispatch": [[a.seq_id, a.replica_id] for a in self.dispatch],
+            "reasoning": None if self.reasoning is None else self.reasoning.as_dict(),
+        }
+
+
+@dataclass(eq=False)
+class Replica:
+    """One engine instance of a role on `devices` (len == the role's devices_per_replica).
+
+    `running` holds the sequences it serves (insertion ordered); `kv_used` the KV tokens they reserve;
+    `remaining` the sum of their remaining-work estimates and `context` of their context tokens (what an
+    abort would have to prefill again), kept incrementally so the planner never walks sequences.
+    `model` is its own throughput fit (spawned from the role's shared fit).
+    """
+
+    replica_id: str
+    role: Role
+    devices: tuple[str, ...]
+    max_seqs: int
+    kv_capacity: int
+    model: ThroughputModel
+    state: ReplicaState = ReplicaState.SHIFTING
+    created_at: float = 0.0
+    running: dict[str, Sequence] = field(default_factory=dict)
+    kv_used: int = 0
+    remaining: float = 0.0
+    context: int = 0
+
+    @property
+    def n(self) -> int:
+        return len(self.running)
+
+    def fits(self, seq: Sequence) -> bool:
+        return len(self.running) < self.max_seqs and self.kv_used + seq.kv_tokens <= self.kv_capacity
+
+    def rate(self) -> float:
+        return self.model.rate(len(self.running))
