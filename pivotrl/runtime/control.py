@@ -26,7 +26,8 @@ class Decision:
 
     id: str
     aborts: list[str] = field(default_factory=list)
-    shifts: list[tuple[str, str]] = field(default_factory=list)  # (device, new role)
+    shifts: list[tuple[str, str | None]] = field(default_factory=list)  # (device, new role; None = idle)
+    dispatch: list[tuple[str, str]] = field(default_factory=list)  # (item, device), after the aborts
     reasoning: dict[str, Any] = field(default_factory=dict)
 
 
@@ -38,20 +39,26 @@ class Control(Protocol):
 
     def remove_device(self, dev: str, now: float) -> None: ...
 
-    def submit(self, item_id: str, role: str, est_tokens: int, generated: int, now: float) -> None: ...
+    def begin_iteration(self, plan: dict[str, Any], now: float) -> None:
+        """The iteration's structure (core's IterationPlan fields), so future work counts."""
+
+    def submit(self, item: Any, now: float) -> None:
+        """New work. `item` has id, role, iteration, group_id, prompt_tokens, max_new_tokens, est_tokens,
+        generated (a list)."""
 
     def requeue(self, item_id: str, generated: int, now: float) -> None:
         """An item came back (aborted, or its device was lost): it waits again, ahead of new ones."""
 
     def on_progress(self, item_id: str, generated: int, now: float) -> None: ...
 
-    def on_finished(self, item_id: str, now: float) -> None: ...
+    def on_finished(self, item_id: str, generated: int, now: float) -> None: ...
 
     def on_step(self, dev: str, concurrency: int, step_time_s: float, tokens: int, now: float) -> None: ...
 
     def on_shift_started(self, dev: str, role: str, now: float) -> None: ...
 
-    def on_shift_done(self, dev: str, role: str, timings: dict[str, float], now: float) -> None: ...
+    def on_shift_done(self, dev: str, role: str, timings: dict[str, float], now: float) -> Decision | None:
+        """The device finished loading `role`; may return a shift-up migration to apply."""
 
     def dispatch(self, now: float, free: dict[str, int]) -> list[tuple[str, str]]:
         """Assign waiting items to ready devices with free slots: [(item_id, dev)]."""
@@ -95,9 +102,12 @@ class ManualControl:
             if d == dev:
                 del self.running_on[item]
 
-    def submit(self, item_id: str, role: str, est_tokens: int, generated: int, now: float) -> None:
-        self.item_role[item_id] = role
-        self.queues.setdefault(role, deque()).append(item_id)
+    def begin_iteration(self, plan: dict[str, Any], now: float) -> None:
+        return None
+
+    def submit(self, item: Any, now: float) -> None:
+        self.item_role[item.id] = item.role
+        self.queues.setdefault(item.role, deque()).append(item.id)
 
     def requeue(self, item_id: str, generated: int, now: float) -> None:
         self.running_on.pop(item_id, None)
@@ -106,7 +116,7 @@ class ManualControl:
     def on_progress(self, item_id: str, generated: int, now: float) -> None:
         return None
 
-    def on_finished(self, item_id: str, now: float) -> None:
+    def on_finished(self, item_id: str, generated: int, now: float) -> None:
         self.running_on.pop(item_id, None)
 
     def on_step(self, dev: str, concurrency: int, step_time_s: float, tokens: int, now: float) -> None:
@@ -115,9 +125,10 @@ class ManualControl:
     def on_shift_started(self, dev: str, role: str, now: float) -> None:
         self.ready[dev] = False  # its running items are aborted by the plugin and come back via requeue
 
-    def on_shift_done(self, dev: str, role: str, timings: dict[str, float], now: float) -> None:
+    def on_shift_done(self, dev: str, role: str, timings: dict[str, float], now: float) -> Decision | None:
         self.role_of[dev] = role
-        self.ready[dev] = True
+        self.ready[dev] = role is not None
+        return None
 
     # -- decisions ------------------------------------------------------------------------------------
     def request_shift(self, dev: str, role: str) -> None:

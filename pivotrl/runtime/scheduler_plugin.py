@@ -46,12 +46,16 @@ class Item:
     role: str
     payload: dict[str, Any]
     iteration: int = 0
-    est_tokens: int = 0
+    est_tokens: int = 0  # expected new tokens (or, for train, tokens to process)
+    prompt_tokens: int = 0
+    max_new_tokens: int = 0
+    group_id: str | None = None
     state: str = "waiting"
     worker: str | None = None
     generated: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     attempts: int = 0
+    next_worker: str | None = None  # dispatched elsewhere while its abort is still in flight
 
     def wire(self) -> dict[str, Any]:
         """What the worker receives: plain lists and dicts only (never tensors)."""
@@ -136,6 +140,7 @@ class PivotSchedulerPlugin(SchedulerPlugin):
             "pivotrl_sync": self.handle_sync,
             "pivotrl_submit": self.handle_submit,
             "pivotrl_collect": self.handle_collect,
+            "pivotrl_begin_iteration": self.handle_begin_iteration,
             "pivotrl_set_version": self.handle_set_version,
             "pivotrl_flush": self.handle_flush,
             "pivotrl_shift": self.handle_shift,
@@ -191,11 +196,13 @@ class PivotSchedulerPlugin(SchedulerPlugin):
             return
         now = self.now()
         requeued = []
+        self.control.remove_device(worker, now)
         for item in self.items.values():
+            if item.next_worker == worker:
+                item.next_worker = None
             if item.worker == worker and item.state in ("assigned", "running", "accumulated"):
                 self._requeue(item, now)
                 requeued.append(item.id)
-        self.control.remove_device(worker, now)
         self.log("worker_lost", worker=worker, name=info.name, role=info.role, requeued=len(requeued),
                  kept_tokens=sum(len(self.items[i].generated) for i in requeued))
         self._dispatch()
@@ -205,14 +212,31 @@ class PivotSchedulerPlugin(SchedulerPlugin):
         item.state, item.worker = "waiting", None
         item.attempts += 1
         if accumulated:  # its gradient was never flushed: to the controller it is new work again
-            self.control.submit(item.id, item.role, item.est_tokens, 0, now)
+            self.control.submit(item, now)
         else:
             self.control.requeue(item.id, len(item.generated), now)
+        target, item.next_worker = item.next_worker, None
+        if target is not None:
+            self._assign(item, target)
+
+    def _assign(self, item: Item, dev: str) -> None:
+        """Put `item` in `dev`'s outbox; if it is still running elsewhere (an abort in flight), remember the
+        target and assign it when the partial comes back."""
+        info = self.workers.get(dev)
+        if info is None:
+            return
+        if item.state in ("running", "assigned") and item.worker != dev:
+            item.next_worker = dev
+            return
+        if item.state != "waiting":
+            return
+        item.state, item.worker = "assigned", dev
+        info.outbox.append(item.id)
 
     # -- shifting -------------------------------------------------------------------------------------
-    def _start_shift(self, addr: str, role: str, decision: str) -> None:
+    def _start_shift(self, addr: str, role: str | None, decision: str) -> None:
         info = self.workers[addr]
-        spec = self.role_specs.get(role)
+        spec = self.role_specs.get(role) if role is not None else {}
         if spec is None:
             raise KeyError(f"no role spec for {role!r}; known: {sorted(self.role_specs)}")
         now = self.now()
@@ -232,7 +256,7 @@ class PivotSchedulerPlugin(SchedulerPlugin):
 
     def apply(self, decision: Decision) -> None:
         now = self.now()
-        self.log("decision", id=decision.id, aborts=len(decision.aborts),
+        self.log("decision", id=decision.id, aborts=len(decision.aborts), dispatch=len(decision.dispatch),
                  shifts=[[self.workers[d].name if d in self.workers else d, r] for d, r in decision.shifts],
                  reasoning=decision.reasoning)
         for item_id in decision.aborts:
@@ -245,14 +269,18 @@ class PivotSchedulerPlugin(SchedulerPlugin):
             elif item.state == "running":
                 self.workers[item.worker].aborts.append(item_id)
         for dev, role in decision.shifts:
-            if dev in self.workers and self.workers[dev].status != "shifting":
+            if dev in self.workers:
                 self._start_shift(dev, role, decision=decision.id)
+        for item_id, dev in decision.dispatch:
+            item = self.items.get(item_id)
+            if item is not None:
+                self._assign(item, dev)
 
     # -- ticking and dispatch -------------------------------------------------------------------------
     def tick(self) -> None:
         now = self.now()
         decision = self.control.tick(now)
-        if decision is not None and (decision.shifts or decision.aborts):
+        if decision is not None and (decision.shifts or decision.aborts or decision.dispatch):
             self.apply(decision)
         self._maybe_flush()
         self._dispatch()
@@ -261,17 +289,10 @@ class PivotSchedulerPlugin(SchedulerPlugin):
 
     def _dispatch(self) -> None:
         free = {a: max(0, w.free - len(w.outbox)) for a, w in self.workers.items() if w.status == "ready"}
-        if not any(free.values()):
-            return
         for item_id, dev in self.control.dispatch(self.now(), free):
             item = self.items.get(item_id)
-            info = self.workers.get(dev)
-            if item is None or info is None or item.state != "waiting" or info.role != item.role:
-                if item is not None and item.state == "waiting":
-                    self.control.requeue(item_id, len(item.generated), self.now())
-                continue
-            item.state, item.worker = "assigned", dev
-            info.outbox.append(item_id)
+            if item is not None:
+                self._assign(item, dev)
 
     def _maybe_flush(self) -> None:
         """Ask train workers to publish their gradient sums once every train item of the flushed
@@ -352,9 +373,11 @@ class PivotSchedulerPlugin(SchedulerPlugin):
             role = info.shift["role"]
             info.role, info.status, info.shift = role, "ready", None
             timings = {k: float(v) for k, v in shift_done.get("timings", {}).items()}
-            self.control.on_shift_done(worker, role, timings, now)
             self.log("shift_done", worker=worker, name=info.name, shift=shift_done["id"], role=role,
                      src=shift_done.get("from"), timings=timings)
+            follow = self.control.on_shift_done(worker, role, timings, now)
+            if follow is not None:
+                self.apply(follow)
         if info.status == "ready":
             self._dispatch()
         reply = {
@@ -376,7 +399,7 @@ class PivotSchedulerPlugin(SchedulerPlugin):
         item = self.items.get(res["id"])
         if item is None or item.worker != worker or item.state not in ("running", "assigned"):
             return  # a late duplicate (e.g. finished on a worker we already gave up on)
-        self.control.on_finished(item.id, now)
+        self.control.on_finished(item.id, len(res.get("generated", ())) or item.est_tokens, now)
         if item.role == "train":
             item.state = "accumulated"
             return
@@ -404,15 +427,20 @@ class PivotSchedulerPlugin(SchedulerPlugin):
         now = self.now()
         for d in items:
             item = Item(id=d["id"], role=d["role"], payload=d["payload"],
-                        iteration=int(d.get("iteration", 0)),
-                        est_tokens=int(d.get("est_tokens", 0)), generated=list(d.get("generated", ())),
-                        logprobs=list(d.get("logprobs", ())))
+                        iteration=int(d.get("iteration", 0)), est_tokens=int(d.get("est_tokens", 0)),
+                        prompt_tokens=int(d.get("prompt_tokens", 0)),
+                        max_new_tokens=int(d.get("max_new_tokens", 0)), group_id=d.get("group_id"),
+                        generated=list(d.get("generated", ())), logprobs=list(d.get("logprobs", ())))
             if item.id in self.items:
                 raise ValueError(f"duplicate item id {item.id!r}")
             self.items[item.id] = item
-            self.control.submit(item.id, item.role, item.est_tokens, len(item.generated), now)
+            self.control.submit(item, now)
         self._dispatch()
         return len(items)
+
+    def handle_begin_iteration(self, plan: dict[str, Any]) -> None:
+        self.control.begin_iteration(dict(plan), self.now())
+        self.log("iteration", **{k: v for k, v in plan.items() if isinstance(v, (int, float, str))})
 
     def handle_collect(self) -> dict[str, Any]:
         results, self.results = self.results, []

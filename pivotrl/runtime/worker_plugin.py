@@ -279,15 +279,18 @@ class PivotWorkerPlugin(WorkerPlugin):
             self.ctx = None
         timings["offload"] = time.perf_counter() - t
         spec = cmd["spec"]
-        cls = resolve(spec.get("context") or self.contexts[cmd["role"]])
-        ctx = cls(cmd["role"], spec)
-        t = time.perf_counter()
-        state = ctx.fetch(self.env, spec.get("version"))
-        timings["fetch"] = time.perf_counter() - t
-        t = time.perf_counter()
-        ctx.load(self.env, state)
-        del state
-        timings["load"] = time.perf_counter() - t
+        ctx = None
+        timings["fetch"] = timings["load"] = 0.0
+        if cmd["role"] is not None:  # role None: the device only goes idle (its weights freed)
+            cls = resolve(spec.get("context") or self.contexts[cmd["role"]])
+            ctx = cls(cmd["role"], spec)
+            t = time.perf_counter()
+            state = ctx.fetch(self.env, spec.get("version"))
+            timings["fetch"] = time.perf_counter() - t
+            t = time.perf_counter()
+            ctx.load(self.env, state)
+            del state
+            timings["load"] = time.perf_counter() - t
         timings["total"] = time.perf_counter() - t_start
         self.ctx, self.role = ctx, cmd["role"]
         self._reported.clear()
