@@ -9,10 +9,11 @@ of fresh work, keeping their tokens → Dispatch onto the role's remaining repli
 case (every sequence of the role re-placed), O(NSeq_j · log I) typically.
 
 Shift-up (replicas join a role): Dispatch waiting work first (the newcomers have the largest marginal gain,
-f(1) − f(0)); if the queue runs dry while they sit below their share, compute the throughput-maximising
-share of every replica (greedy on marginal gains over the role's running count, O(NSeq log I)), Abort the
-excess from the most loaded replicas — the sequences with the shortest context, cheapest to prefill again —
-and Dispatch them. O(I·NSeq + I log I).
+f(1) − f(0)); if the queue runs dry while they sit below their share, move sequences one at a time from the
+replica that loses least (the most loaded) to the newcomer that gains most, while that pays — Abort on the
+donor, Dispatch to the newcomer; the moved sequences are the donors' shortest-context ones, cheapest to
+prefill again. O(I log I) to build the heaps, O(log I) per moved sequence, plus sorting the touched donors'
+sequences: within the paper's O(I·NSeq + I log I).
 """
 
 from __future__ import annotations
@@ -96,51 +97,63 @@ def shift_down(state: ClusterState, replica_ids: list[str]) -> tuple[dict[str, l
     return aborts, assignments
 
 
-def balanced_targets(replicas: list[Replica], total: int) -> dict[str, int]:
-    """The throughput-maximising split of `total` running sequences over `replicas` (greedy on marginal
-    gain, respecting sequence slots). O(total · log I)."""
-    counts = {r.replica_id: 0 for r in replicas}
-    heap = [(-r.model.marginal_gain(0), i, r) for i, r in enumerate(replicas) if r.max_seqs > 0]
-    heapq.heapify(heap)
-    left = total
-    while left > 0 and heap:
-        _, i, r = heapq.heappop(heap)
-        c = counts[r.replica_id] + 1
-        counts[r.replica_id] = c
-        left -= 1
-        if c < r.max_seqs:
-            heapq.heappush(heap, (-r.model.marginal_gain(c), i, r))
-    return counts
-
-
 def shift_up(state: ClusterState, role: Role, newcomers: list[str]) -> tuple[dict[str, list[str]],
                                                                             list[Assignment]]:
-    """Give newly active replicas of `role` work: queue first, then rebalance from the most loaded."""
+    """Give newly active replicas of `role` work: queue first, then rebalance from the most loaded.
+
+    Rebalancing is the exchange argument for separable concave throughput: move one sequence from the
+    replica that loses least by giving it up (f_d(n_d) − f_d(n_d − 1), smallest = most loaded) to the
+    newcomer that gains most (f_u(n_u + 1) − f_u(n_u)), while the gain exceeds the loss. Two heaps make each
+    move O(log I); the moved sequences are the donor's shortest-context ones (cheapest to prefill again).
+    """
     assignments = dispatch_role(state, role)
     if len(state.queues[role]):
         return {}, assignments  # still work waiting: the newcomers are full, nothing to rebalance
     reps = state.active(role)
-    news = [state.replicas[r] for r in newcomers if r in state.replicas and state.replicas[r] in reps]
-    if not news or len(reps) < 2:
+    new_ids = {r for r in newcomers if r in state.replicas}
+    news = [r for r in reps if r.replica_id in new_ids]
+    if not news:
         return {}, assignments
-    total = sum(r.n for r in reps)
-    targets = balanced_targets(reps, total)
-    deficit = sum(max(targets[r.replica_id] - r.n, 0) for r in news)
-    if deficit <= 0:
-        return {}, assignments
-    new_ids = {r.replica_id for r in news}
-    donors = sorted((r for r in reps if r.replica_id not in new_ids and r.n > targets[r.replica_id]),
-                    key=lambda r: (targets[r.replica_id] - r.n, r.replica_id))
+    # Plan on counts first; sequences are aborted and re-placed once the plan is known.
+    count = {r.replica_id: r.n for r in reps}
+    takers = [(-r.model.marginal_gain(r.n), i, r) for i, r in enumerate(news) if r.n < r.max_seqs]
+    givers = [(r.model.marginal_gain(r.n - 1), i, r) for i, r in enumerate(reps)
+              if r.replica_id not in new_ids and r.n > 0]
+    heapq.heapify(takers)
+    heapq.heapify(givers)
+    kv_room = {r.replica_id: r.kv_capacity - r.kv_used for r in news}
+    victims_of: dict[str, list[Sequence]] = {}
+    pairs: list[tuple[Sequence, Replica]] = []
     aborts: dict[str, list[str]] = {}
-    for rep in donors:
-        if deficit <= 0:
+    while takers and givers:
+        neg_gain, ti, taker = takers[0]
+        loss, gi, giver = givers[0]
+        if -neg_gain <= loss + 1e-12:
             break
-        excess = min(rep.n - targets[rep.replica_id], deficit)
-        victims: list[Sequence] = sorted(rep.running.values(), key=lambda s: (s.context_tokens, s.seq_id))
-        victims = victims[:excess]
-        for s in victims:
-            state.abort(s)
-        aborts[rep.replica_id] = [s.seq_id for s in victims]
-        deficit -= excess
-    assignments.extend(dispatch_role(state, role))
+        stack = victims_of.get(giver.replica_id)
+        if stack is None:
+            stack = sorted(giver.running.values(), key=lambda s: (-s.context_tokens, s.seq_id))
+            victims_of[giver.replica_id] = stack
+        victim = stack[-1]
+        heapq.heappop(takers)
+        if victim.kv_tokens > kv_room[taker.replica_id]:
+            continue  # this newcomer cannot hold it: it stops taking
+        stack.pop()
+        heapq.heappop(givers)
+        aborts.setdefault(giver.replica_id, []).append(victim.seq_id)
+        pairs.append((victim, taker))
+        kv_room[taker.replica_id] -= victim.kv_tokens
+        count[giver.replica_id] -= 1
+        count[taker.replica_id] += 1
+        ct, cg = count[taker.replica_id], count[giver.replica_id]
+        if ct < taker.max_seqs:
+            heapq.heappush(takers, (-taker.model.marginal_gain(ct), ti, taker))
+        if cg > 0:
+            heapq.heappush(givers, (giver.model.marginal_gain(cg - 1), gi, giver))
+    queue = state.queues[role]
+    for victim, taker in pairs:
+        state.abort(victim)
+        queue.remove(victim.seq_id)
+        state.start(victim, taker)
+        assignments.append(Assignment(victim.seq_id, taker.replica_id))
     return aborts, assignments

@@ -7,7 +7,8 @@ where they would idle or run inefficiently (a long tail at low concurrency, a st
 work) to where they would be busy.
 
 1. Shift-up role u = argmax τ_r, τ_r = W_r / T_r (remaining tokens over current tokens/s; ∞ for a role
-   with work and no active replica).
+   with work and no active replica). If u cannot use a device (a tail of fewer sequences than replicas:
+   no candidate clears step 5), the next role in τ order is tried.
 2. Donors: every active, out-of-cooldown replica j of every other role d (and every free device, φ = 0),
    with penalty φ_j = shift_duration(d→u)·f_j(n_j)·w_d (work it stops doing while it shifts) +
    g_d · context_j / prefill_rate_d (re-prefill of the sequences it hands back). Idle replicas are cheap.
@@ -177,6 +178,9 @@ def donor_penalty(rep: Replica, view: RoleView, costs: ShiftCostModel, to_role: 
 
 
 def plan(state: ClusterState, costs: ShiftCostModel, now: float) -> PlanResult:
+    """Run the five steps. Roles are tried as shift-up role in decreasing τ; the first whose best candidate
+    clears the margin wins. (A role can be furthest behind yet unable to use a device — a tail of fewer
+    sequences than replicas — in which case the next role in τ order gets the devices.)"""
     cfg = state.config
     views = role_views(state, cfg.horizon_s)
     taus = tau(views)
@@ -186,17 +190,39 @@ def plan(state: ClusterState, costs: ShiftCostModel, now: float) -> PlanResult:
     baseline = sum(v.processed(v.replicas) for v in views.values())
     threshold = cfg.hysteresis * baseline
 
-    def result(note: str, cands: tuple[Candidate, ...] = (), chosen: Candidate | None = None,
-               donors: tuple[Donor, ...] = (), u: Role | None = None) -> PlanResult:
-        return PlanResult(PlanReasoning(now, tau_s, thr, work, None if u is None else str(u), cands, chosen,
-                                        threshold, note), chosen, donors, u)
+    # Step 1: roles with work, furthest behind first.
+    order = sorted((r for r in views if views[r].work > 0), key=lambda r: (-taus[r], -views[r].work,
+                                                                            state.roles.index(r)))
+    if not order:
+        return PlanResult(PlanReasoning(now, tau_s, thr, work, None, (), None, threshold, "no role has work"),
+                          None, (), None)
+    first: PlanResult | None = None
+    tried: list[str] = []
+    for u in order:
+        res = plan_for(state, costs, now, views, u, threshold)
+        tried.append(f"{u}: {res.reasoning.note}")
+        if first is None:
+            first = res
+        if res.chosen is not None:
+            first = res
+            break
+    assert first is not None
+    r = first.reasoning
+    note = "; ".join(tried)
+    return PlanResult(PlanReasoning(now, tau_s, thr, work, r.shift_up_role, r.candidates, r.chosen,
+                                    threshold, note), first.chosen, first.donors, first.to_role)
 
-    # Step 1: the role furthest behind.
-    busy = [r for r in views if views[r].work > 0]
-    if not busy:
-        return result("no role has work")
-    u = max(busy, key=lambda r: (taus[r], views[r].work))
+
+def plan_for(state: ClusterState, costs: ShiftCostModel, now: float, views: dict[Role, RoleView], u: Role,
+             threshold: float) -> PlanResult:
+    """Steps 2-5 for shift-up role `u`."""
+    cfg = state.config
     vu = views[u]
+
+    def result(note: str, cands: tuple[Candidate, ...] = (), chosen: Candidate | None = None,
+               donors: tuple[Donor, ...] = ()) -> PlanResult:
+        return PlanResult(PlanReasoning(now, {}, {}, {}, str(u), cands, chosen, threshold, note), chosen,
+                          donors, u)
 
     # Step 2: donors with their penalties, cheapest first per donor role.
     layers: list[tuple[Role | None, int, list[Donor]]] = []
@@ -219,12 +245,12 @@ def plan(state: ClusterState, costs: ShiftCostModel, now: float) -> PlanResult:
             donors.sort(key=lambda x: (x.penalty, x.replica_id))
             layers.append((d, vd.g, donors))
     if not layers:
-        return result("no donor available", u=u)
+        return result("no donor available")
     total_devices = len(state.device_role)
     max_x = sum(len(ds) * g for _, g, ds in layers)
     max_x = min(max_x, math.floor(cfg.max_shift_fraction * total_devices + 1e-9))
     if max_x < vu.g:
-        return result("not enough movable devices", u=u)
+        return result("not enough movable devices")
 
     # Step 3: DP over donor roles; state = devices freed so far.
     neg = -math.inf
@@ -270,7 +296,7 @@ def plan(state: ClusterState, costs: ShiftCostModel, now: float) -> PlanResult:
     xs = np.arange(vu.g, max_x + 1, vu.g)
     xs = xs[np.isfinite(dp[xs])]
     if xs.size == 0:
-        return result("no feasible candidate", u=u)
+        return result("no feasible candidate")
     gain_u = vu.processed_many(vu.replicas + xs // vu.g) - vu.processed(vu.replicas)
     benefit = gain_u + dp[xs]
     cands: list[Candidate] = []
@@ -286,7 +312,7 @@ def plan(state: ClusterState, costs: ShiftCostModel, now: float) -> PlanResult:
             best_i = i
     best = cands[best_i]
     if not best.benefit > max(threshold, 1e-12):
-        return result("no candidate beats the hysteresis margin", tuple(cands), u=u)
+        return result("no candidate beats the hysteresis margin", tuple(cands))
     ks = backtrack(int(xs[best_i]))
     chosen_donors: list[Donor] = []
     for li, k in enumerate(ks):
@@ -294,4 +320,4 @@ def plan(state: ClusterState, costs: ShiftCostModel, now: float) -> PlanResult:
     chosen = Candidate(best.devices, tuple(d.replica_id or d.device or "" for d in chosen_donors),
                        best.donors_per_role, best.new_replicas, best.gain, best.penalty)
     cands[best_i] = chosen
-    return result("shift", tuple(cands), chosen, tuple(chosen_donors), u)
+    return result("shift", tuple(cands), chosen, tuple(chosen_donors))

@@ -55,6 +55,8 @@ class WaitingQueue:
         if seq_id not in self._live:
             return None
         del self._live[seq_id]
+        if len(self._heap) > 2 * len(self._live) + 64:  # compact so stale entries cannot pile up
+            self._heap = sorted(self._live.values())
         return self._seqs.pop(seq_id)
 
     def ids(self) -> list[str]:

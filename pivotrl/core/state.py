@@ -45,7 +45,7 @@ class ClusterState:
             spec = config.spec(r)
             self.role_models[r] = ThroughputModel(
                 spec.prior_step_a_s, spec.prior_step_b_s, spec.tokens_per_seq_step, config.decay,
-                config.prior_weight, prior_x=float(max(1, min(spec.max_seqs, 64))) * spec.tokens_per_seq_step)
+                config.prior_weight)
         self._order = 0
         self._replica_counter = 0
         # Iteration structure, for the work each role will still receive from upstream.

@@ -5,9 +5,10 @@ that grows with the tokens in the batch (KV reads, activations); so tokens/s ris
 saturates at 1/b. That concavity is what makes "give the next sequence to the replica with the largest
 marginal gain" meaningful. Train steps follow the same shape in tokens per micro-batch.
 
-The fit is recency-weighted least squares over (x, step_time) samples, plus a fixed pseudo-observation prior
-(two points on the prior line) so the model is sane before any data and never degenerate when every sample
-sits at one x. A role keeps a shared model that sees every sample of its replicas; a new replica starts
+The fit is recency-weighted least squares over (x, step_time) samples. Before any data it is the prior line;
+while the samples show too little spread in x to see a slope (an engine that always runs full), it keeps the
+prior's shape scaled to match the measured step time, so it is never degenerate.
+A role keeps a shared model that sees every sample of its replicas; a new replica starts
 from a copy of it (`ThroughputModel.spawn`), so it is not assumed to be the cold prior.
 """
 
@@ -26,7 +27,6 @@ class ThroughputModel:
     tokens_per_seq_step: float = 1.0
     decay: float = 0.95
     prior_weight: float = 2.0
-    prior_x: float = 64.0
     # Recency-weighted sufficient statistics of the measured samples (sum of w, w·x, w·x², w·t, w·x·t).
     _s: list[float] = field(default_factory=lambda: [0.0] * 5)
     _kx: list[float] = field(default_factory=lambda: [0.0, 0.0])  # weighted (x, n) for tokens per seq
@@ -62,31 +62,30 @@ class ThroughputModel:
         self._refit()
 
     def _refit(self) -> None:
-        # Prior as two pseudo-points on the prior line at x=1 and x=prior_x, weight prior_weight/2 each.
-        w = self.prior_weight / 2.0
-        p0 = 2 * w
-        p1 = w * (1.0 + self.prior_x)
-        p2 = w * (1.0 + self.prior_x**2)
-        t1 = self.prior_a + self.prior_b
-        tx = self.prior_a + self.prior_b * self.prior_x
-        p3 = w * (t1 + tx)
-        p4 = w * (t1 + self.prior_x * tx)
-        s0, s1, s2, s3, s4 = (self._s[0] + p0, self._s[1] + p1, self._s[2] + p2, self._s[3] + p3,
-                              self._s[4] + p4)
-        det = s0 * s2 - s1 * s1
-        degenerate = det <= 1e-12 * max(s0 * s2, 1e-300)
-        b = self.prior_b if degenerate else (s0 * s4 - s1 * s3) / det
-        b = max(b, _MIN_B)
-        a = max((s3 - b * s1) / s0, _MIN_A)
-        self.a, self.b = a, b
+        s0, s1, s2, s3, s4 = self._s
+        if s0 <= 0:
+            self.a, self.b = self.prior_a, self.prior_b
+        else:
+            mx, mt = s1 / s0, s3 / s0
+            var = max(s2 / s0 - mx * mx, 0.0)
+            if s0 >= self.prior_weight and var > (0.05 * mx) ** 2:
+                b = (s4 / s0 - mx * mt) / var
+                b = max(b, _MIN_B)
+                a = mt - b * mx
+                if a < _MIN_A:  # the data says "no fixed cost": keep the line through the mean
+                    a = _MIN_A
+                    b = max((mt - a) / mx, _MIN_B)
+            else:
+                # Too little spread in x to see a slope: keep the prior's shape, scaled to match the data.
+                scale = mt / (self.prior_a + self.prior_b * mx)
+                a, b = self.prior_a * scale, self.prior_b * scale
+            self.a, self.b = max(a, _MIN_A), max(b, _MIN_B)
         if self._kx[1] > 0:
             self.tokens_per_seq_step = self._kx[0] / self._kx[1]
 
     def spawn(self) -> ThroughputModel:
         """A model for a new replica: starts from this (role-shared) fit, then learns on its own."""
-        child = ThroughputModel(self.a, self.b, self.tokens_per_seq_step, self.decay, self.prior_weight,
-                                self.prior_x)
-        return child
+        return ThroughputModel(self.a, self.b, self.tokens_per_seq_step, self.decay, self.prior_weight)
 
     # -- prediction -------------------------------------------------------------------------------------
     def step_time(self, n: float) -> float:

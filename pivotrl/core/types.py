@@ -125,7 +125,8 @@ class ControllerConfig:
         does not flap between near-equal allocations.
     cooldown_s: a device that just shifted may not shift again for this long.
     decay: per-sample recency weight of the throughput fit (older samples weigh decay**age).
-    prior_weight: pseudo-samples the prior step-time line is worth against measurements.
+    prior_weight: weighted samples needed (with spread in concurrency) before the fitted slope replaces
+        the prior's.
     shift_prior_s: assumed shift duration for a (from, to) pair never measured yet.
     max_shift_fraction: at most this fraction of the devices move in one decision.
     """

@@ -1,0 +1,40 @@
+"""Small builders shared by the core tests."""
+
+from __future__ import annotations
+
+from pivotrl.core import Controller, ControllerConfig, Role, RoleSpec, Sequence
+from pivotrl.core.state import ClusterState
+from pivotrl.core.types import ReplicaState
+
+
+def config(**kw) -> ControllerConfig:
+    roles = kw.pop("roles", None) or {
+        Role.ROLLOUT: RoleSpec(devices_per_replica=1, max_seqs=8, kv_tokens=4000),
+        Role.REWARD: RoleSpec(devices_per_replica=kw.pop("reward_g", 1), max_seqs=8, kv_tokens=4000),
+        Role.TRAIN: RoleSpec(devices_per_replica=1, max_seqs=4, kv_tokens=8000, tokens_per_seq_step=100),
+    }
+    return ControllerConfig(roles=roles, **kw)
+
+
+def seq(i: int | str, role: Role = Role.ROLLOUT, prompt: int = 10, max_new: int = 100, **kw) -> Sequence:
+    return Sequence(f"s{i}" if isinstance(i, int) else i, role, prompt, max_new, **kw)
+
+
+def active_state(cfg: ControllerConfig, per_role: dict[Role, int], now: float = 0.0) -> ClusterState:
+    """A state with `per_role[r]` active replicas per role (devices named by role and index)."""
+    st = ClusterState(cfg)
+    for role, k in per_role.items():
+        g = cfg.devices_per_replica(role)
+        for i in range(k):
+            devs = tuple(f"{role}-d{i}-{j}" for j in range(g))
+            for d in devs:
+                st.add_device(d, now)
+            st.new_replica(role, devs, now, ReplicaState.ACTIVE)
+    return st
+
+
+def ready(ctl: Controller, now: float, timings: dict[str, float] | None = None) -> None:
+    """Finish every pending shift."""
+    for rep in list(ctl.state.replicas.values()):
+        if rep.state is ReplicaState.SHIFTING:
+            ctl.on_shift_done(rep.replica_id, now, timings or {"load": 1.0})

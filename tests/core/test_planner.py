@@ -1,0 +1,254 @@
+from __future__ import annotations
+
+import itertools
+import math
+import random
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pivotrl.core import IterationPlan, Role, RoleSpec
+from pivotrl.core.dispatcher import dispatch_all
+from pivotrl.core.planner import donor_penalty, plan, role_views, tau
+from pivotrl.core.shiftcost import ShiftCostModel
+from pivotrl.core.state import ClusterState
+from pivotrl.core.throughput import ThroughputModel
+from pivotrl.core.types import ControllerConfig, ReplicaState
+
+from ._hyp import CI
+from .helpers import active_state, config, seq
+
+ROLES = (Role.ROLLOUT, Role.REWARD, Role.TRAIN)
+
+
+def random_state(seed: int) -> tuple[ClusterState, ShiftCostModel, float]:
+    """A small random cluster (≤ 8 replicas, a few free devices) with random load, fits and shift costs."""
+    rng = random.Random(seed)
+    specs = {
+        Role.ROLLOUT: RoleSpec(1, rng.choice([2, 4, 8]), 10**6, rng.uniform(0.005, 0.05),
+                               rng.uniform(1e-4, 5e-3)),
+        Role.REWARD: RoleSpec(rng.choice([1, 2]), rng.choice([2, 4, 8]), 10**6, rng.uniform(0.005, 0.05),
+                              rng.uniform(1e-4, 5e-3)),
+        Role.TRAIN: RoleSpec(rng.choice([1, 2]), 4, 10**6, rng.uniform(0.01, 0.1), rng.uniform(1e-6, 1e-4),
+                             tokens_per_seq_step=200.0),
+    }
+    cfg = ControllerConfig(roles=specs, horizon_s=rng.choice([1.0, 5.0, 20.0]),
+                           hysteresis=rng.choice([0.0, 0.0, 0.05, 0.2]), cooldown_s=rng.choice([0.0, 3.0]),
+                           max_shift_fraction=rng.choice([1.0, 1.0, 0.5]))
+    stt = ClusterState(cfg)
+    now = 10.0
+    total = rng.randint(1, 8)
+    dev = 0
+    for _ in range(total):
+        role = rng.choice(ROLES)
+        g = specs[role].devices_per_replica
+        devs = tuple(f"d{dev + j}" for j in range(g))
+        dev += g
+        for d in devs:
+            stt.add_device(d, 0.0)
+        state = ReplicaState.SHIFTING if rng.random() < 0.1 else ReplicaState.ACTIVE
+        rep = stt.new_replica(role, devs, rng.choice([0.0, 9.0]), state)
+        rep.model = ThroughputModel(rng.uniform(0.005, 0.1), rng.uniform(1e-5, 5e-3),
+                                    specs[role].tokens_per_seq_step)
+    for _ in range(rng.randint(0, 2)):
+        stt.add_device(f"free{dev}", 0.0)
+        dev += 1
+    for i in range(rng.randint(0, 40)):
+        role = rng.choice(ROLES)
+        max_new = rng.choice([16, 64, 256, 1024])
+        s = seq(i, role, prompt=rng.randint(1, 50), max_new=max_new,
+                expected_new_tokens=rng.choice([None, rng.uniform(1, max_new)]))
+        stt.admit(s, 0.0)
+    dispatch_all(stt)
+    for s in list(stt.seqs.values()):
+        stt.update_progress(s, rng.randint(0, s.max_new_tokens - 1))
+    if rng.random() < 0.7:
+        stt.plan = IterationPlan(0, rollout_seqs=rng.randint(0, 60), group_size=rng.choice([1, 4]),
+                                 rollout_tokens_per_seq=rng.uniform(10, 500),
+                                 reward_tokens_per_rollout=rng.uniform(10, 300),
+                                 train_tokens_per_group=rng.uniform(100, 3000))
+    costs = ShiftCostModel(prior_s=rng.uniform(0.0, 10.0))
+    for _ in range(rng.randint(0, 3)):
+        costs.observe(rng.choice([None, *ROLES]), rng.choice(ROLES), {"fetch": rng.uniform(0, 5),
+                                                                      "load": rng.uniform(0, 5)})
+    return stt, costs, now
+
+
+def brute_force_best(stt: ClusterState, costs: ShiftCostModel, now: float, u: Role) -> float | None:
+    """Best B over every subset of donors (free devices and eligible replicas), by direct evaluation."""
+    cfg = stt.config
+    views = role_views(stt, cfg.horizon_s)
+    donors: list[tuple[Role | None, int, float]] = [(None, 1, 0.0) for _ in stt.free_devices()]
+    for d in stt.roles:
+        if d is u:
+            continue
+        for rep in stt.by_role[d].values():
+            if rep.state is not ReplicaState.ACTIVE:
+                continue
+            if any(now - stt.device_shifted_at[x] < cfg.cooldown_s for x in rep.devices):
+                continue
+            donors.append((d, views[d].g, donor_penalty(rep, views[d], costs, u,
+                                                       cfg.spec(d).prefill_tokens_per_s)))
+    vu = views[u]
+    max_x = math.floor(cfg.max_shift_fraction * len(stt.device_role) + 1e-9)
+    best = None
+    for bits in itertools.product((0, 1), repeat=len(donors)):
+        chosen = [d for d, b in zip(donors, bits) if b]
+        x = sum(g for _, g, _ in chosen)
+        if x == 0 or x % vu.g or x > max_x:
+            continue
+        ks = {r: sum(1 for d, _, _ in chosen if d is r) for r in stt.roles}
+        gain = vu.processed(vu.replicas + x // vu.g) - vu.processed(vu.replicas)
+        for r, k in ks.items():
+            if r is not u and k:
+                gain -= views[r].processed(views[r].replicas) - views[r].processed(views[r].replicas - k)
+        b = gain - sum(p for _, _, p in chosen)
+        best = b if best is None else max(best, b)
+    return best
+
+
+@CI
+@given(seed=st.integers(0, 2**32 - 1))
+def test_dp_matches_brute_force_and_never_returns_nonpositive_benefit(seed: int) -> None:
+    stt, costs, now = random_state(seed)
+    res = plan(stt, costs, now)
+    if res.to_role is None:
+        assert res.chosen is None
+        return
+    views = role_views(stt, stt.config.horizon_s)
+    taus = tau(views)
+    order = sorted((r for r in stt.roles if views[r].work > 0),
+                   key=lambda r: (-taus[r], -views[r].work, stt.roles.index(r)))
+    threshold = res.reasoning.threshold
+    # Every role tried before the returned one had no candidate that clears the margin (by brute force).
+    for r in order[: order.index(res.to_role)]:
+        bf_r = brute_force_best(stt, costs, now, r)
+        assert bf_r is None or not bf_r > max(threshold, 1e-12)
+    if res.chosen is None:
+        assert res.to_role is order[0]
+    bf = brute_force_best(stt, costs, now, res.to_role)
+    if bf is None:
+        assert not res.reasoning.candidates
+    else:
+        dp = max(c.benefit for c in res.reasoning.candidates)
+        assert dp == pytest.approx(bf, rel=1e-9, abs=1e-9)
+    if res.chosen is not None:
+        assert res.chosen.benefit > 0
+        assert res.chosen.benefit > threshold
+        assert res.chosen.benefit == pytest.approx(max(c.benefit for c in res.reasoning.candidates))
+        assert res.chosen.devices % stt.config.devices_per_replica(res.to_role) == 0
+        assert len(res.donors) == len(res.chosen.donors)
+
+
+def test_processed_many_matches_scalar() -> None:
+    for seed in range(50):
+        stt, _, _ = random_state(seed)
+        for v in role_views(stt, stt.config.horizon_s).values():
+            ms = np.arange(0, 12)
+            assert np.allclose(v.processed_many(ms), [v.processed(m) for m in ms])
+
+
+def _tail_state(now: float = 100.0) -> ClusterState:
+    """Rollout: 4 replicas with a 2-sequence tail. Reward: 1 replica with a deep queue."""
+    cfg = config(horizon_s=10.0, cooldown_s=1.0)
+    stt = active_state(cfg, {Role.ROLLOUT: 4, Role.REWARD: 1})
+    for i in range(2):
+        stt.admit(seq(f"r{i}", Role.ROLLOUT, max_new=2000, expected_new_tokens=1500), 0.0)
+    for i in range(40):
+        stt.admit(seq(f"j{i}", Role.REWARD, max_new=200, expected_new_tokens=150), 0.0)
+    dispatch_all(stt)
+    return stt
+
+
+def test_tail_shifts_idle_rollout_replicas_to_reward() -> None:
+    stt = _tail_state()
+    res = plan(stt, ShiftCostModel(prior_s=1.0), 100.0)
+    assert res.to_role is Role.REWARD  # rollout is further behind (τ) but cannot use more replicas
+    assert res.chosen is not None and res.chosen.benefit > 0
+    donors = [stt.replicas[d.replica_id] for d in res.donors]
+    assert all(r.role is Role.ROLLOUT for r in donors)
+    assert all(r.n == 0 for r in donors)  # the idle ones are the cheap ones
+    assert res.reasoning.tau["rollout"] > res.reasoning.tau["reward"]
+
+
+def test_idle_donor_is_cheaper_than_busy_one() -> None:
+    stt = _tail_state()
+    views = role_views(stt, 10.0)
+    costs = ShiftCostModel(prior_s=2.0)
+    reps = sorted(stt.active(Role.ROLLOUT), key=lambda r: r.n)
+    idle, busy = reps[0], reps[-1]
+    assert idle.n == 0 and busy.n == 1
+    p_idle = donor_penalty(idle, views[Role.ROLLOUT], costs, Role.REWARD, 20000.0)
+    p_busy = donor_penalty(busy, views[Role.ROLLOUT], costs, Role.REWARD, 20000.0)
+    assert p_idle == 0.0 < p_busy
+
+
+def test_no_shift_when_everyone_is_saturated() -> None:
+    cfg = config(horizon_s=10.0, cooldown_s=0.0)
+    stt = active_state(cfg, {Role.ROLLOUT: 2, Role.REWARD: 2})
+    for i in range(200):
+        stt.admit(seq(f"r{i}", Role.ROLLOUT, max_new=400, expected_new_tokens=300), 0.0)
+        stt.admit(seq(f"j{i}", Role.REWARD, max_new=400, expected_new_tokens=300), 0.0)
+    dispatch_all(stt)
+    res = plan(stt, ShiftCostModel(prior_s=5.0), 50.0)
+    assert res.chosen is None
+    assert all(c.benefit <= 0 for c in res.reasoning.candidates)
+
+
+def test_no_shift_to_a_role_without_work_even_if_upstream_is_slow() -> None:
+    cfg = config(horizon_s=10.0, cooldown_s=0.0)
+    stt = active_state(cfg, {Role.ROLLOUT: 2, Role.TRAIN: 2})
+    res = plan(stt, ShiftCostModel(), 50.0)
+    assert res.to_role is None and res.chosen is None
+
+
+def test_cooldown_protects_recently_shifted_devices() -> None:
+    stt = _tail_state(now=0.5)
+    res = plan(stt, ShiftCostModel(prior_s=1.0), 0.5)  # replicas were formed at t=0, cooldown 1 s
+    assert res.chosen is None
+    res = plan(stt, ShiftCostModel(prior_s=1.0), 1.5)
+    assert res.chosen is not None
+
+
+def test_hysteresis_blocks_marginal_shifts() -> None:
+    stt = _tail_state()
+    loose = plan(stt, ShiftCostModel(prior_s=1.0), 100.0)
+    assert loose.chosen is not None
+    strict_cfg = ControllerConfig(**{**stt.config.__dict__, "hysteresis": 1e6})
+    stt.config = strict_cfg
+    strict = plan(stt, ShiftCostModel(prior_s=1.0), 100.0)
+    assert strict.chosen is None and strict.reasoning.candidates
+
+
+def test_two_device_reward_replicas_take_pairs() -> None:
+    stt = _tail_state()
+    cfg = ControllerConfig(**{**stt.config.__dict__, "roles": {
+        **stt.config.roles, Role.REWARD: RoleSpec(devices_per_replica=2, max_seqs=8, kv_tokens=4000)}})
+    stt.config = cfg
+    res = plan(stt, ShiftCostModel(prior_s=1.0), 100.0)
+    assert res.chosen is not None
+    assert all(c.devices % 2 == 0 for c in res.reasoning.candidates)
+    assert res.chosen.new_replicas * 2 == res.chosen.devices
+
+
+def test_shift_cost_model_learns_per_pair() -> None:
+    m = ShiftCostModel(prior_s=5.0, alpha=0.5)
+    assert m.duration(Role.ROLLOUT, Role.REWARD) == 5.0
+    m.observe(Role.ROLLOUT, Role.REWARD, {"offload": 1.0, "fetch": 2.0, "load": 1.0})
+    assert m.duration(Role.ROLLOUT, Role.REWARD) == 4.0
+    assert m.duration(Role.TRAIN, Role.REWARD) == 4.0  # borrows the target role's mean
+    assert m.duration(Role.REWARD, Role.TRAIN) == 5.0
+    m.observe(Role.ROLLOUT, Role.REWARD, {"offload": 1.0, "fetch": 0.0, "load": 1.0})
+    assert m.duration(Role.ROLLOUT, Role.REWARD) == 3.0
+    assert m.phases[(Role.ROLLOUT, Role.REWARD)]["fetch"] == 1.0
+
+
+def test_reasoning_is_json_ready() -> None:
+    import json
+
+    res = plan(_tail_state(), ShiftCostModel(prior_s=1.0), 100.0)
+    d = res.reasoning.as_dict()
+    json.dumps(d)
+    assert d["chosen"]["B"] > 0 and {"G", "phi", "B"} <= set(d["candidates"][0])

@@ -1,0 +1,84 @@
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pivotrl.core.throughput import ThroughputModel
+
+from ._hyp import CI
+
+
+def test_prior_before_data_is_the_prior_line() -> None:
+    m = ThroughputModel(0.02, 0.001)
+    assert m.samples == 0
+    assert m.a == pytest.approx(0.02)
+    assert m.b == pytest.approx(0.001)
+    assert m.rate(0) == 0.0
+    assert m.rate(10) == pytest.approx(10 / (0.02 + 0.01))
+
+
+def test_fit_recovers_a_noiseless_line() -> None:
+    m = ThroughputModel(0.5, 0.5, prior_weight=0.01)
+    for n in [1, 2, 4, 8, 16, 32, 64] * 5:
+        m.observe(n, 0.01 + 0.002 * n)
+    assert m.a == pytest.approx(0.01, rel=0.02)
+    assert m.b == pytest.approx(0.002, rel=0.02)
+
+
+def test_recency_weighting_follows_a_change() -> None:
+    m = ThroughputModel(0.01, 0.001, decay=0.8, prior_weight=0.1)
+    for n in [1, 8, 16, 32] * 10:
+        m.observe(n, 0.01 + 0.001 * n)
+    for n in [1, 8, 16, 32] * 10:
+        m.observe(n, 0.05 + 0.004 * n)  # the engine got slower (e.g. longer contexts)
+    assert m.b == pytest.approx(0.004, rel=0.05)
+    assert m.a == pytest.approx(0.05, rel=0.1)
+
+
+def test_samples_at_one_concurrency_stay_sane() -> None:
+    m = ThroughputModel(0.02, 0.001)
+    for _ in range(200):
+        m.observe(16, 0.1)
+    assert m.a > 0 and m.b > 0
+    assert m.step_time(16) == pytest.approx(0.1, rel=0.05)  # matches the data where there is data
+
+
+def test_train_tokens_per_seq_learned() -> None:
+    m = ThroughputModel(0.05, 1e-5, tokens_per_seq_step=1.0)
+    for _ in range(20):
+        m.observe(4, 0.05 + 1e-5 * 2000, tokens=2000)
+    assert m.tokens_per_seq_step == pytest.approx(500)
+    assert m.rate(4) == pytest.approx(2000 / m.step_time(4))
+
+
+def test_invalid_samples_ignored() -> None:
+    m = ThroughputModel(0.02, 0.001)
+    m.observe(0, 0.1)
+    m.observe(4, 0.0)
+    m.observe(4, float("nan"))
+    assert m.samples == 0
+
+
+def test_spawn_starts_from_role_fit_then_learns_alone() -> None:
+    role = ThroughputModel(0.5, 0.5, prior_weight=0.01)
+    for n in [1, 4, 16, 64] * 5:
+        role.observe(n, 0.01 + 0.002 * n)
+    child = role.spawn()
+    assert child.a == pytest.approx(role.a) and child.b == pytest.approx(role.b)
+    child.observe(8, 5.0)
+    assert role.step_time(8) < 1.0  # the parent is unaffected
+
+
+@settings(CI, max_examples=300)
+@given(a=st.floats(1e-4, 1.0), b=st.floats(1e-7, 1e-1), n=st.integers(0, 5000),
+       obs=st.lists(st.tuples(st.integers(1, 512), st.floats(1e-4, 10.0)), max_size=20))
+def test_rate_concave_increasing(a: float, b: float, n: int, obs: list[tuple[int, float]]) -> None:
+    m = ThroughputModel(a, b)
+    for c, t in obs:
+        m.observe(c, t)
+    assert m.a > 0 and m.b > 0
+    g0, g1 = m.marginal_gain(n), m.marginal_gain(n + 1)
+    assert g0 > 0
+    assert g1 <= g0 * (1 + 1e-9)
+    assert m.rate(n) <= m.peak_rate * (1 + 1e-9)
