@@ -74,8 +74,13 @@ def _local_cuda(n_workers: int | None, host: str, dashboard_address: str | None)
         from dask_cuda import LocalCUDACluster
     except ImportError as exc:  # pragma: no cover - GPU only
         raise UserError("cluster: GPUs found but dask_cuda is missing; install the `gpu` extra") from exc
-    kwargs: dict[str, Any] = dict(threads_per_worker=1, resources={"device": 1}, host=host,
-                                  dashboard_address=dashboard_address, memory_limit=0)
+    kwargs: dict[str, Any] = dict(
+        threads_per_worker=1,
+        resources={"device": 1},
+        host=host,
+        dashboard_address=dashboard_address,
+        memory_limit=0,
+    )
     if n_workers is not None:
         kwargs["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(n_workers))
     return LocalCUDACluster(**kwargs)  # pragma: no cover - GPU only

@@ -60,8 +60,12 @@ class GenerationContext(_Weights):
         from pivotrl.engines.generation import GenerationEngine
 
         model = _build_model(self.spec, env.device, state)
-        self.engine = GenerationEngine(model, kv_budget_tokens=int(self.spec.get("kv_budget_tokens", 65536)),
-                                       max_batch=self.max_batch, device=env.device)
+        self.engine = GenerationEngine(
+            model,
+            kv_budget_tokens=int(self.spec.get("kv_budget_tokens", 65536)),
+            max_batch=self.max_batch,
+            device=env.device,
+        )
 
     def set_version(self, env: Any, version: int) -> None:
         """Move this replica to another version of the same model (rollout following the policy)."""
@@ -79,9 +83,15 @@ class GenerationContext(_Weights):
         s = dict(p.get("sampling") or {})
         if "stop_ids" in s:
             s["stop_ids"] = tuple(s["stop_ids"])
-        self.engine.add(GenRequest(seq_id=item["id"], prompt_ids=list(p["prompt_ids"]),
-                                   sampling=SamplingParams(**s), generated_ids=list(item.get("generated", ())),
-                                   logprobs=list(item.get("logprobs", ()))))
+        self.engine.add(
+            GenRequest(
+                seq_id=item["id"],
+                prompt_ids=list(p["prompt_ids"]),
+                sampling=SamplingParams(**s),
+                generated_ids=list(item.get("generated", ())),
+                logprobs=list(item.get("logprobs", ())),
+            )
+        )
 
     def has_work(self) -> bool:
         return self.engine is not None and self.engine.has_work()
@@ -97,8 +107,16 @@ class GenerationContext(_Weights):
         done = self.engine.step()
         dt = time.perf_counter() - t0
         tokens = self.engine.tokens_generated - before
-        out = [{"id": r.seq_id, "generated": r.generated_ids, "logprobs": r.logprobs,
-                "finish_reason": r.finish_reason, "version": self.version} for r in done]
+        out = [
+            {
+                "id": r.seq_id,
+                "generated": r.generated_ids,
+                "logprobs": r.logprobs,
+                "finish_reason": r.finish_reason,
+                "version": self.version,
+            }
+            for r in done
+        ]
         return out, ((tokens, dt, tokens) if tokens else None)
 
     def abort(self, ids: list[str] | None) -> list[dict[str, Any]]:
@@ -106,8 +124,10 @@ class GenerationContext(_Weights):
             return []
         if ids is None:
             ids = [r.req.seq_id for r in self.engine.running] + [w.seq_id for w in self.engine.waiting]
-        return [{"id": r.seq_id, "generated": r.generated_ids, "logprobs": r.logprobs}
-                for r in self.engine.abort(ids)]
+        return [
+            {"id": r.seq_id, "generated": r.generated_ids, "logprobs": r.logprobs}
+            for r in self.engine.abort(ids)
+        ]
 
     def progress(self) -> dict[str, tuple[list[int], list[float]]]:
         """Tokens generated so far by running sequences, so a lost worker's work is not all lost.
@@ -115,8 +135,10 @@ class GenerationContext(_Weights):
         eng = self.engine
         try:
             counts = eng.n_gen[: len(eng.running)].tolist()
-            return {run.req.seq_id: (eng.gen_buf[row, :n].tolist(), eng.lp_buf[row, :n].tolist())
-                    for row, (run, n) in enumerate(zip(eng.running, counts))}
+            return {
+                run.req.seq_id: (eng.gen_buf[row, :n].tolist(), eng.lp_buf[row, :n].tolist())
+                for row, (run, n) in enumerate(zip(eng.running, counts))
+            }
         except AttributeError:
             return {}
 
@@ -165,18 +187,31 @@ class TrainContext(_Weights):
     def step(self) -> tuple[list[dict[str, Any]], tuple[int, float, int] | None]:
         from pivotrl.engines.trainer import LossConfig, TrainSample, compute_grad_sum
 
-        batch, self.queue = self.queue[: self.micro_batch], self.queue[self.micro_batch:]
+        batch, self.queue = self.queue[: self.micro_batch], self.queue[self.micro_batch :]
         samples = []
         for item in batch:
             p = item["payload"]
-            samples.append(TrainSample(prompt_ids=list(p["prompt_ids"]), response_ids=list(p["response_ids"]),
-                                       advantage=float(p["advantage"]),
-                                       old_logprobs=list(p["logprobs"]) if p.get("logprobs") else None))
+            samples.append(
+                TrainSample(
+                    prompt_ids=list(p["prompt_ids"]),
+                    response_ids=list(p["response_ids"]),
+                    advantage=float(p["advantage"]),
+                    old_logprobs=list(p["logprobs"]) if p.get("logprobs") else None,
+                )
+            )
         t0 = time.perf_counter()
-        loss = LossConfig(clip_eps=float(self.spec.get("clip_eps", 0.2)),
-                          temperature=float(self.spec.get("temperature", 1.0)))
-        gs = compute_grad_sum(self.model, samples, pad_id=int(self.spec.get("pad_id", 0)),
-                              micro_batch=self.micro_batch, loss=loss, version=int(self.version or 0))
+        loss = LossConfig(
+            clip_eps=float(self.spec.get("clip_eps", 0.2)),
+            temperature=float(self.spec.get("temperature", 1.0)),
+        )
+        gs = compute_grad_sum(
+            self.model,
+            samples,
+            pad_id=int(self.spec.get("pad_id", 0)),
+            micro_batch=self.micro_batch,
+            loss=loss,
+            version=int(self.version or 0),
+        )
         self.sum = gs if self.sum is None else self.sum + gs
         self.done.extend(i["id"] for i in batch)
         tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
@@ -194,12 +229,27 @@ class TrainContext(_Weights):
         """Publish the local gradient sum to the GPS (persisted before we report it) and hand in its ref."""
         if self.sum is None:
             return None
-        gs, self.sum = self.sum, None
-        items, self.done = self.done, []
+        gs, items = self.sum, list(self.done)
         name = f"{self.spec.get('grad_prefix', 'grad')}-w{self.env.name}"
-        version = time.time_ns() // 1000  # unique across restarts of a worker with the same name
+        try:  # only this device writes under its name, so the next free version is ours
+            version = max(self.env.gps.versions(name), default=-1) + 1
+        except LookupError:
+            version = 0
         self.env.gps.publish(name, version, gs.grads)
         self.env.gps.flush()
-        stats = {k: getattr(gs, k) for k in ("tokens", "samples", "version", "loss_sum", "pg_sum",
-                                             "kl_ref_sum", "kl_old_sum", "clipped", "nonfinite")}
+        self.sum, self.done = None, []  # handed in only once safely persisted
+        stats = {
+            k: getattr(gs, k)
+            for k in (
+                "tokens",
+                "samples",
+                "version",
+                "loss_sum",
+                "pg_sum",
+                "kl_ref_sum",
+                "kl_old_sum",
+                "clipped",
+                "nonfinite",
+            )
+        }
         return {"ref": {"model": name, "version": version}, "items": items, "stats": stats}

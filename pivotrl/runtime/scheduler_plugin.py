@@ -113,6 +113,7 @@ class PivotSchedulerPlugin(SchedulerPlugin):
         self.events: list[dict[str, Any]] = []
         self.timeline: list[dict[str, Any]] = []
         self.flush_upto: int = -1
+        self._events_sent = 0
         self._shift_ids = itertools.count()
         self._t0 = time.monotonic()
         self._last_sample = -1e9
@@ -203,8 +204,14 @@ class PivotSchedulerPlugin(SchedulerPlugin):
             if item.worker == worker and item.state in ("assigned", "running", "accumulated"):
                 self._requeue(item, now)
                 requeued.append(item.id)
-        self.log("worker_lost", worker=worker, name=info.name, role=info.role, requeued=len(requeued),
-                 kept_tokens=sum(len(self.items[i].generated) for i in requeued))
+        self.log(
+            "worker_lost",
+            worker=worker,
+            name=info.name,
+            role=info.role,
+            requeued=len(requeued),
+            kept_tokens=sum(len(self.items[i].generated) for i in requeued),
+        )
         self._dispatch()
 
     def _requeue(self, item: Item, now: float) -> None:
@@ -251,14 +258,26 @@ class PivotSchedulerPlugin(SchedulerPlugin):
         info.shift = {"id": shift_id, "role": role, "spec": spec, "from": info.role, "decision": decision}
         info.status = "shifting"
         self.control.on_shift_started(addr, role, now)
-        self.log("shift_start", worker=addr, name=info.name, shift=shift_id, src=info.role, dst=role,
-                 decision=decision)
+        self.log(
+            "shift_start",
+            worker=addr,
+            name=info.name,
+            shift=shift_id,
+            src=info.role,
+            dst=role,
+            decision=decision,
+        )
 
     def apply(self, decision: Decision) -> None:
         now = self.now()
-        self.log("decision", id=decision.id, aborts=len(decision.aborts), dispatch=len(decision.dispatch),
-                 shifts=[[self.workers[d].name if d in self.workers else d, r] for d, r in decision.shifts],
-                 reasoning=decision.reasoning)
+        self.log(
+            "decision",
+            id=decision.id,
+            aborts=len(decision.aborts),
+            dispatch=len(decision.dispatch),
+            shifts=[[self.workers[d].name if d in self.workers else d, r] for d, r in decision.shifts],
+            reasoning=decision.reasoning,
+        )
         for item_id in decision.aborts:
             item = self.items.get(item_id)
             if item is None or item.worker is None:
@@ -299,8 +318,13 @@ class PivotSchedulerPlugin(SchedulerPlugin):
         iterations is in some local sum (none waiting or running)."""
         if self.flush_upto < 0:
             return
-        open_items = [i for i in self.items.values() if i.role == "train" and i.iteration <= self.flush_upto
-                      and i.state in ("waiting", "assigned", "running")]
+        open_items = [
+            i
+            for i in self.items.values()
+            if i.role == "train"
+            and i.iteration <= self.flush_upto
+            and i.state in ("waiting", "assigned", "running")
+        ]
         if open_items:
             return
         holders = {i.worker for i in self.items.values() if i.state == "accumulated" and i.worker}
@@ -318,14 +342,18 @@ class PivotSchedulerPlugin(SchedulerPlugin):
                 depth[item.role] = depth.get(item.role, 0) + 1
             elif item.state in ("assigned", "running"):
                 running[item.role] = running.get(item.role, 0) + 1
-        self.timeline.append({
-            "t": round(now, 4),
-            "roles": {w.name: (w.role if w.status == "ready" else "shifting") for w in self.workers.values()},
-            "queue_depth": depth,
-            "running": running,
-            "tokens": dict(self._tokens),
-            "tokens_per_s": {w.name: round(w.tokens_per_s, 2) for w in self.workers.values()},
-        })
+        self.timeline.append(
+            {
+                "t": round(now, 4),
+                "roles": {
+                    w.name: (w.role if w.status == "ready" else "shifting") for w in self.workers.values()
+                },
+                "queue_depth": depth,
+                "running": running,
+                "tokens": dict(self._tokens),
+                "tokens_per_s": {w.name: round(w.tokens_per_s, 2) for w in self.workers.values()},
+            }
+        )
 
     # -- handlers: worker side ------------------------------------------------------------------------
     def handle_sync(
@@ -373,8 +401,15 @@ class PivotSchedulerPlugin(SchedulerPlugin):
             role = info.shift["role"]
             info.role, info.status, info.shift = role, "ready", None
             timings = {k: float(v) for k, v in shift_done.get("timings", {}).items()}
-            self.log("shift_done", worker=worker, name=info.name, shift=shift_done["id"], role=role,
-                     src=shift_done.get("from"), timings=timings)
+            self.log(
+                "shift_done",
+                worker=worker,
+                name=info.name,
+                shift=shift_done["id"],
+                role=role,
+                src=shift_done.get("from"),
+                timings=timings,
+            )
             follow = self.control.on_shift_done(worker, role, timings, now)
             if follow is not None:
                 self.apply(follow)
@@ -409,28 +444,51 @@ class PivotSchedulerPlugin(SchedulerPlugin):
         del self.items[item.id]
 
     def _flushed(self, worker: str, flushed: dict[str, Any], now: float) -> None:
-        ids = [i for i in flushed.get("items", ()) if i in self.items
-               and self.items[i].worker == worker and self.items[i].state == "accumulated"]
+        ids = [
+            i
+            for i in flushed.get("items", ())
+            if i in self.items and self.items[i].worker == worker and self.items[i].state == "accumulated"
+        ]
         for item_id in ids:
             del self.items[item_id]
         if worker in self.workers:
             self.workers[worker].flush = False
         if ids:
-            self.results.append({"id": f"grad:{flushed.get('ref')}", "role": "train", "kind": "grad",
-                                 "worker": worker, "ref": flushed.get("ref"), "items": ids,
-                                 "stats": flushed.get("stats", {})})
-            self.log("flushed", worker=worker, name=self.workers[worker].name if worker in self.workers
-                     else worker, items=len(ids), ref=flushed.get("ref"))
+            self.results.append(
+                {
+                    "id": f"grad:{flushed.get('ref')}",
+                    "role": "train",
+                    "kind": "grad",
+                    "worker": worker,
+                    "ref": flushed.get("ref"),
+                    "items": ids,
+                    "stats": flushed.get("stats", {}),
+                }
+            )
+            self.log(
+                "flushed",
+                worker=worker,
+                name=self.workers[worker].name if worker in self.workers else worker,
+                items=len(ids),
+                ref=flushed.get("ref"),
+            )
 
     # -- handlers: driver side ------------------------------------------------------------------------
     def handle_submit(self, items: list[dict[str, Any]]) -> int:
         now = self.now()
         for d in items:
-            item = Item(id=d["id"], role=d["role"], payload=d["payload"],
-                        iteration=int(d.get("iteration", 0)), est_tokens=int(d.get("est_tokens", 0)),
-                        prompt_tokens=int(d.get("prompt_tokens", 0)),
-                        max_new_tokens=int(d.get("max_new_tokens", 0)), group_id=d.get("group_id"),
-                        generated=list(d.get("generated", ())), logprobs=list(d.get("logprobs", ())))
+            item = Item(
+                id=d["id"],
+                role=d["role"],
+                payload=d["payload"],
+                iteration=int(d.get("iteration", 0)),
+                est_tokens=int(d.get("est_tokens", 0)),
+                prompt_tokens=int(d.get("prompt_tokens", 0)),
+                max_new_tokens=int(d.get("max_new_tokens", 0)),
+                group_id=d.get("group_id"),
+                generated=list(d.get("generated", ())),
+                logprobs=list(d.get("logprobs", ())),
+            )
             if item.id in self.items:
                 raise ValueError(f"duplicate item id {item.id!r}")
             self.items[item.id] = item
@@ -444,7 +502,9 @@ class PivotSchedulerPlugin(SchedulerPlugin):
 
     def handle_collect(self) -> dict[str, Any]:
         results, self.results = self.results, []
-        return {"results": results, "state": self.handle_state()}
+        events = self.events[self._events_sent :]
+        self._events_sent = len(self.events)
+        return {"results": results, "events": events, "state": self.handle_state()}
 
     def handle_set_version(self, role: str, version: int) -> None:
         self.role_specs[role] = {**self.role_specs[role], "version": int(version)}
@@ -480,8 +540,16 @@ class PivotSchedulerPlugin(SchedulerPlugin):
             c[item.state] = c.get(item.state, 0) + 1
         return {
             "t": self.now(),
-            "workers": {a: {"name": w.name, "role": w.role, "status": w.status, "free": w.free,
-                            "tokens_per_s": w.tokens_per_s} for a, w in self.workers.items()},
+            "workers": {
+                a: {
+                    "name": w.name,
+                    "role": w.role,
+                    "status": w.status,
+                    "free": w.free,
+                    "tokens_per_s": w.tokens_per_s,
+                }
+                for a, w in self.workers.items()
+            },
             "items": counts,
             "tokens": dict(self._tokens),
             "control": self.control.snapshot(),
@@ -489,8 +557,16 @@ class PivotSchedulerPlugin(SchedulerPlugin):
 
     def handle_items(self, ids: list[str]) -> dict[str, dict[str, Any]]:
         """Where some items are (tests, debugging): state, worker, tokens generated so far."""
-        return {i: {"state": it.state, "worker": it.worker, "generated": len(it.generated),
-                    "attempts": it.attempts} for i in ids if (it := self.items.get(i)) is not None}
+        return {
+            i: {
+                "state": it.state,
+                "worker": it.worker,
+                "generated": len(it.generated),
+                "attempts": it.attempts,
+            }
+            for i in ids
+            if (it := self.items.get(i)) is not None
+        }
 
     def handle_metrics(self) -> dict[str, Any]:
         return {"timeline": list(self.timeline), "events": list(self.events)}

@@ -32,8 +32,9 @@ class RuntimeSession:
     ) -> RuntimeSession:
         """Register the scheduler extension (hosting `control`) and the role host on every worker."""
         session = uuid.uuid4().hex[:12]
-        client.register_plugin(PivotSchedulerPlugin(control, role_specs, tick_s=tick_s, sample_s=sample_s,
-                                                    session=session))
+        client.register_plugin(
+            PivotSchedulerPlugin(control, role_specs, tick_s=tick_s, sample_s=sample_s, session=session)
+        )
         client.register_plugin(PivotWorkerPlugin(**(worker_options or {}), session=session))
         return cls(client)
 
@@ -66,6 +67,9 @@ class RuntimeSession:
 
     def abort(self, items: list[str]) -> int:
         return self._call("pivotrl_abort", items=items)
+
+    def begin_iteration(self, plan: dict[str, Any]) -> None:
+        self._call("pivotrl_begin_iteration", plan=plan)
 
     def flush(self, iteration: int) -> None:
         self._call("pivotrl_flush", iteration=iteration)

@@ -142,8 +142,14 @@ class PivotWorkerPlugin(WorkerPlugin):
 
     @staticmethod
     def _empty_out() -> dict[str, Any]:
-        return {"finished": [], "aborted": [], "progress": {}, "steps": [], "flushed": None,
-                "shift_done": None}
+        return {
+            "finished": [],
+            "aborted": [],
+            "progress": {},
+            "steps": [],
+            "flushed": None,
+            "shift_done": None,
+        }
 
     # -- talking to the scheduler ---------------------------------------------------------------------
     def _sync(self) -> dict[str, Any]:
@@ -151,8 +157,9 @@ class PivotWorkerPlugin(WorkerPlugin):
         free = 0
         if self.ctx is not None:
             free = max(0, int(self.ctx.free_slots()) - len(self._pending))
-        coro = self.worker.scheduler.pivotrl_sync(worker=self.worker.address, free=free, session=self.session,
-                                                   **out)
+        coro = self.worker.scheduler.pivotrl_sync(
+            worker=self.worker.address, free=free, session=self.session, **out
+        )
         fut = asyncio.run_coroutine_threadsafe(coro, self.worker.loop.asyncio_loop)
         try:
             return fut.result(timeout=60)
@@ -185,8 +192,9 @@ class PivotWorkerPlugin(WorkerPlugin):
             try:
                 busy = self._apply(reply)
             except Exception:
-                logger.exception("pivotrl role host failed applying %s", {k: v for k, v in reply.items()
-                                                                         if k != "assign"})
+                logger.exception(
+                    "pivotrl role host failed applying %s", {k: v for k, v in reply.items() if k != "assign"}
+                )
                 busy = False
             if not busy:
                 self._stop.wait(self.idle_poll_s)
@@ -231,8 +239,14 @@ class PivotWorkerPlugin(WorkerPlugin):
                     continue
                 t0 = time.perf_counter()
                 self.ctx.set_version(self.env, int(want))
-                self.shift_log.append({"kind": "version", "role": self.role, "version": int(want),
-                                       "seconds": time.perf_counter() - t0})
+                self.shift_log.append(
+                    {
+                        "kind": "version",
+                        "role": self.role,
+                        "version": int(want),
+                        "seconds": time.perf_counter() - t0,
+                    }
+                )
             self.ctx.add(item)
             self._reported[item["id"]] = len(item.get("generated", ()))
         self._pending = keep
@@ -253,8 +267,9 @@ class PivotWorkerPlugin(WorkerPlugin):
         self._pending = [p for p in self._pending if p not in back]
         parts = self.ctx.abort(None if ids is None else [i for i in ids if i not in pending_ids])
         for res in back:
-            self._out["aborted"].append({"id": res["id"], "generated": res.get("generated", []),
-                                         "logprobs": res.get("logprobs", [])})
+            self._out["aborted"].append(
+                {"id": res["id"], "generated": res.get("generated", []), "logprobs": res.get("logprobs", [])}
+            )
         for res in parts:
             self._reported.pop(res["id"], None)
             self._out["aborted"].append(res)

@@ -47,8 +47,11 @@ class CountingGen:
         self.w = None
 
     def add(self, item: dict[str, Any]) -> None:
-        self.running[item["id"]] = {"item": item, "gen": list(item.get("generated", [])),
-                                    "lp": list(item.get("logprobs", []))}
+        self.running[item["id"]] = {
+            "item": item,
+            "gen": list(item.get("generated", [])),
+            "lp": list(item.get("logprobs", [])),
+        }
 
     def has_work(self) -> bool:
         return bool(self.running)
@@ -70,8 +73,16 @@ class CountingGen:
             st["lp"].append(-0.5)
             if len(st["gen"]) >= int(st["item"]["payload"]["target_len"]):
                 del self.running[sid]
-                finished.append({"id": sid, "generated": st["gen"], "logprobs": st["lp"],
-                                 "finish_reason": "length", "pid": os.getpid(), "version": self.version})
+                finished.append(
+                    {
+                        "id": sid,
+                        "generated": st["gen"],
+                        "logprobs": st["lp"],
+                        "finish_reason": "length",
+                        "pid": os.getpid(),
+                        "version": self.version,
+                    }
+                )
         return finished, (n, time.perf_counter() - t0, n)
 
     def abort(self, ids: list[str] | None) -> list[dict[str, Any]]:
@@ -79,8 +90,9 @@ class CountingGen:
         for sid in list(self.running) if ids is None else ids:
             st = self.running.pop(sid, None)
             if st is not None:
-                out.append({"id": sid, "generated": st["gen"], "logprobs": st["lp"],
-                            "finish_reason": "abort"})
+                out.append(
+                    {"id": sid, "generated": st["gen"], "logprobs": st["lp"], "finish_reason": "abort"}
+                )
         return out
 
     def progress(self) -> dict[str, tuple[list[int], list[float]]]:
@@ -112,7 +124,7 @@ class SumTrain(CountingGen):
 
     def step(self) -> tuple[list[dict[str, Any]], tuple[int, float, int]]:
         t0 = time.perf_counter()
-        batch, self.queue = self.queue[: self.max_batch], self.queue[self.max_batch:]
+        batch, self.queue = self.queue[: self.max_batch], self.queue[self.max_batch :]
         end = t0 + self.step_s
         x = self.w
         while time.perf_counter() < end:
@@ -131,8 +143,11 @@ class SumTrain(CountingGen):
         if not self.done:
             return None
         SumTrain._flushes += 1
-        out = {"ref": {"pid": os.getpid(), "n": SumTrain._flushes}, "items": list(self.done),
-               "stats": {"sum": self.total}}
+        out = {
+            "ref": {"pid": os.getpid(), "n": SumTrain._flushes},
+            "items": list(self.done),
+            "stats": {"sum": self.total},
+        }
         self.total, self.done = 0.0, []
         return out
 

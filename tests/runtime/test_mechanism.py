@@ -50,8 +50,12 @@ def cluster():
 
 
 def test_shift_between_every_pair_of_roles(cluster):
-    sess = RuntimeSession.install(cluster.client, control=ManualControl(["rollout", "reward"]),
-                                  role_specs=specs(), worker_options={"pin_cores": True})
+    sess = RuntimeSession.install(
+        cluster.client,
+        control=ManualControl(["rollout", "reward"]),
+        role_specs=specs(),
+        worker_options={"pin_cores": True},
+    )
     st = sess.wait_ready(2)
     names = {w["name"]: a for a, w in st["workers"].items()}
     dev = names[min(names)]
@@ -75,8 +79,12 @@ def test_shift_between_every_pair_of_roles(cluster):
 
 
 def test_abort_and_resume_across_workers(cluster):
-    sess = RuntimeSession.install(cluster.client, control=ManualControl(["rollout", "rollout"]),
-                                  role_specs=specs(step_s=0.01), worker_options={"progress_every_s": 0.05})
+    sess = RuntimeSession.install(
+        cluster.client,
+        control=ManualControl(["rollout", "rollout"]),
+        role_specs=specs(step_s=0.01),
+        worker_options={"progress_every_s": 0.05},
+    )
     sess.wait_ready(2)
     sess.submit(gen_items("long", 1, 300))
     deadline = time.monotonic() + 20
@@ -98,11 +106,13 @@ def test_abort_and_resume_across_workers(cluster):
 
 def test_worker_lost_mid_iteration_trains_every_item_once(cluster):
     with open_cluster(workers=2, dashboard_address=None) as own:
-        sess = RuntimeSession.install(own.client, control=ManualControl(["train", "train"]),
-                                      role_specs=specs(step_s=0.05))
+        sess = RuntimeSession.install(
+            own.client, control=ManualControl(["train", "train"]), role_specs=specs(step_s=0.05)
+        )
         st = sess.wait_ready(2)
-        items = [{"id": f"t{i}", "role": "train", "iteration": 0, "payload": {"x": i}}
-                 for i in range(N_TRAIN)]
+        items = [
+            {"id": f"t{i}", "role": "train", "iteration": 0, "payload": {"x": i}} for i in range(N_TRAIN)
+        ]
         sess.submit(items)
         time.sleep(0.3)  # both replicas have accumulated part of the iteration in local sums
         victim = next(a for a, w in st["workers"].items() if w["name"] == "0")
@@ -125,3 +135,32 @@ def test_worker_lost_mid_iteration_trains_every_item_once(cluster):
         assert total == sum(range(N_TRAIN))
         lost = [e for e in sess.metrics()["events"] if e["kind"] == "worker_lost"]
         assert len(lost) == 1 and lost[0]["requeued"] > 0  # it held unflushed work when it died
+
+
+def core_specs() -> dict[str, dict]:
+    return {
+        r: {"max_seqs": 8, "kv_tokens": 1 << 20, "prior_step_a_s": 0.01, "prior_step_b_s": 0.0}
+        for r in ("rollout", "reward", "train")
+    }
+
+
+def test_core_controller_drives_a_stream_with_shifts(cluster):
+    """core's shiftable planner places both devices, streams rollout → reward work, and shifts devices
+    toward the loaded role; every item finishes exactly once with the right tokens."""
+    from pivotrl.runtime.core_control import CoreControl
+
+    control = CoreControl(
+        "shiftable", role_specs=core_specs(), horizon_s=5.0, cooldown_s=0.5, shift_prior_s=0.05
+    )
+    sess = RuntimeSession.install(cluster.client, control=control, role_specs=specs(step_s=0.01), tick_s=0.1)
+    sess.submit(gen_items("r", 24, 40, role="rollout"))
+    got = wait_results(sess, {f"r{i}" for i in range(24)}, timeout_s=60)
+    assert all(r["generated"] == [token(i, j) for j in range(40)] for i, r in got.items())
+    # now only reward work: the planner must move devices to reward
+    sess.submit(gen_items("j", 24, 60, role="reward"))
+    got = wait_results(sess, {f"j{i}" for i in range(24)}, timeout_s=60)
+    assert all(r["generated"] == [token(i, j) for j in range(60)] for i, r in got.items())
+    ev = sess.metrics()["events"]
+    shifts = [e for e in ev if e["kind"] == "shift_done"]
+    assert any(e["role"] == "reward" for e in shifts), shifts
+    assert any(e["kind"] == "decision" and e["id"].startswith("core-") for e in ev)
