@@ -1,0 +1,321 @@
+"""The `GenerationEngine` interface over vLLM (optional `gpu` extra), for real checkpoints on GPUs.
+
+Why: on a GPU box vLLM's paged attention and CUDA graphs are far faster than our compact engine, and the
+runtime should not care which one a device runs. This wrapper keeps the same contract — `add`, `step`,
+`abort` returning partials, resume from `generated_ids`, `stats`, `load_state_dict`, `offload` — plus
+vLLM's `sleep`/`wake_up` for parking a device without tearing the engine down.
+
+**Untested on CPU**: vLLM cannot be installed on the CPU-only development machine; this module is written
+against vLLM's v1 `LLM`/`LLMEngine` API and its tests skip when vllm is absent. Importing this module never
+imports vllm; constructing `VLLMEngine` without vllm raises `VLLMUnavailable` with a one-line fix.
+
+Semantics that differ from the compact engine (documented, not hidden):
+* Sampling noise comes from vLLM's per-request generator. A resumed request is seeded with
+  ``hash(seed, len(generated_ids))``, so resuming is deterministic, but a *sampled* continuation is not the
+  one the uninterrupted run would have drawn. Greedy continuations are identical (up to kernel numerics).
+* Log-probs are vLLM's `logprobs=0` values for the sampled token; vLLM v1 returns raw log-probs
+  (temperature 1, before top-p) by default, like the compact engine.
+* The KV budget is enforced at admission here (sum of reservations <= `kv_budget_tokens`); vLLM itself
+  sizes its paged cache from `gpu_memory_utilization` and may preempt (recompute) under pressure.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+import zlib
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pivotrl.engines.generation import FinishReason, GenRequest, GenResult
+from pivotrl.errors import UserError
+
+INSTALL_HINT = "vllm is not installed: pip install 'pivotrl[gpu]' on a machine with a CUDA GPU"
+
+
+class VLLMUnavailable(UserError, ImportError):
+    """vllm (the optional `gpu` extra) is missing; the message says how to install it."""
+
+
+def import_vllm():
+    """Import vllm on demand; a clear one-line error when it is absent."""
+    try:
+        import vllm
+    except ImportError as exc:
+        raise VLLMUnavailable(f"{INSTALL_HINT} ({exc})") from None
+    return vllm
+
+
+def resume_seed(seed: int, n_generated: int) -> int:
+    """Deterministic seed for a request resumed after `n_generated` tokens."""
+    return zlib.crc32(f"{seed}:{n_generated}".encode()) if n_generated else seed
+
+
+@dataclass
+class _Track:
+    req: GenRequest
+    reserve: int
+    generated: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+
+
+def _load_weights_on_worker(worker, path: str) -> int:
+    """Runs inside each vLLM worker (via `collective_rpc`): load a safetensors file into its model."""
+    from safetensors.torch import load_file
+
+    state = load_file(path, device="cpu")
+    model = worker.model_runner.model
+    model.load_weights(weights=iter(state.items()))
+    return len(state)
+
+
+class VLLMEngine:
+    """`GenerationEngine`'s interface backed by a synchronous vLLM `LLMEngine`."""
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        kv_budget_tokens: int,
+        max_batch: int,
+        device: str = "cuda",
+        dtype: str = "auto",
+        max_seq_len: int | None = None,
+        gpu_memory_utilization: float = 0.5,
+        enable_sleep_mode: bool = True,
+        seed: int = 0,
+        **llm_kwargs: Any,
+    ) -> None:
+        vllm = import_vllm()
+        if kv_budget_tokens < 1 or max_batch < 1:
+            raise ValueError("kv_budget_tokens and max_batch must be >= 1")
+        self._vllm = vllm
+        self.model_path = str(model_path)
+        self.kv_budget_tokens = kv_budget_tokens
+        self.max_batch = max_batch
+        self.device = device
+        kwargs = dict(
+            model=self.model_path,
+            dtype=dtype,
+            max_num_seqs=max_batch,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enable_sleep_mode=enable_sleep_mode,
+            seed=seed,
+            skip_tokenizer_init=True,
+        )
+        if max_seq_len is not None:
+            kwargs["max_model_len"] = max_seq_len
+        kwargs.update(llm_kwargs)
+        self.llm = vllm.LLM(**kwargs)
+        self.engine = self.llm.llm_engine
+        self.max_seq_len = int(max_seq_len or self.engine.model_config.max_model_len)
+        self.running: dict[str, _Track] = {}
+        self.waiting: deque[GenRequest] = deque()
+        self.reserved_tokens = 0
+        self.sleeping = False
+        self._ready: list[GenResult] = []
+        self.tokens_generated = 0
+        self.busy_time_s = 0.0
+        self.steps = 0
+        self.samples: deque[tuple[int, float]] = deque(maxlen=4096)
+
+    # -- same interface as GenerationEngine -------------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting or self._ready)
+
+    def reservation(self, req: GenRequest) -> int:
+        return min(len(req.prompt_ids) + req.sampling.max_new_tokens, self.max_seq_len)
+
+    def add(self, req: GenRequest) -> None:
+        self._check_live()
+        if not req.prompt_ids:
+            raise ValueError(f"{req.seq_id}: empty prompt")
+        if len(req.prompt_ids) + len(req.generated_ids) >= self.max_seq_len:
+            raise ValueError(f"{req.seq_id}: prompt+generated does not fit max_seq_len={self.max_seq_len}")
+        if req.seq_id in self.running or any(w.seq_id == req.seq_id for w in self.waiting):
+            raise ValueError(f"{req.seq_id}: already queued on this engine")
+        gen = req.generated_ids
+        if len(gen) >= req.sampling.max_new_tokens or (gen and gen[-1] in req.sampling.stop_ids):
+            reason: FinishReason = "stop" if gen and gen[-1] in req.sampling.stop_ids else "length"
+            self._ready.append(
+                GenResult(req.seq_id, list(req.prompt_ids), list(gen), list(req.logprobs), reason)
+            )
+            return
+        self.waiting.append(req)
+
+    def step(self) -> list[GenResult]:
+        self._check_live()
+        if self.sleeping:
+            raise RuntimeError("engine is asleep; call wake_up() first")
+        done, self._ready = self._ready, []
+        self._admit()
+        if not self.running:
+            return done
+        t0 = time.perf_counter()
+        outputs = self.engine.step()
+        dt = time.perf_counter() - t0
+        produced = 0
+        for out in outputs:
+            track = self.running.get(out.request_id)
+            if track is None:
+                continue
+            completion = out.outputs[0]
+            new_ids = list(completion.token_ids)
+            produced += len(new_ids)
+            track.generated += new_ids
+            for tok, lp in zip(new_ids, completion.logprobs or []):
+                track.logprobs.append(float(lp[tok].logprob))
+            if out.finished:
+                reason = (
+                    completion.finish_reason if completion.finish_reason in ("stop", "length") else "abort"
+                )
+                done.append(self._finish(out.request_id, reason))
+        self.busy_time_s += dt
+        self.steps += 1
+        self.tokens_generated += produced
+        self.samples.append((len(self.running) + len(done), dt))
+        return done
+
+    def abort(self, seq_ids) -> list[GenResult]:
+        wanted = set(seq_ids)
+        out: list[GenResult] = []
+        for req in [w for w in self.waiting if w.seq_id in wanted]:
+            self.waiting.remove(req)
+            out.append(
+                GenResult(
+                    req.seq_id, list(req.prompt_ids), list(req.generated_ids), list(req.logprobs), "abort"
+                )
+            )
+        for res in [r for r in self._ready if r.seq_id in wanted]:
+            self._ready.remove(res)
+            out.append(res)
+        ids = [s for s in wanted if s in self.running]
+        if ids:
+            self.engine.abort_request(ids)
+            out += [self._finish(s, "abort") for s in ids]
+        return out
+
+    def generate(self, reqs: list[GenRequest]) -> list[GenResult]:
+        for r in reqs:
+            self.add(r)
+        ids = {r.seq_id for r in reqs}
+        got: dict[str, GenResult] = {}
+        while len(got) < len(ids) and self.has_work():
+            for res in self.step():
+                if res.seq_id in ids:
+                    got[res.seq_id] = res
+        return [got[r.seq_id] for r in reqs]
+
+    def load_state_dict(self, state_dict) -> None:
+        """Push new weights (HF names) into every vLLM worker, via a safetensors file and `collective_rpc`."""
+        from safetensors.torch import save_file
+
+        self._check_live()
+        tensors = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
+        if getattr(self.engine.model_config.hf_config, "tie_word_embeddings", False):
+            tensors.pop("lm_head.weight", None)
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        with tempfile.TemporaryDirectory(dir=shm) as tmp:
+            path = os.path.join(tmp, "weights.safetensors")
+            save_file(tensors, path)
+            self.load_weights_from(path)
+
+    def load_weights_from(self, path: str | Path) -> None:
+        """Load a safetensors file every worker can read (same node); drops stale prefix-cache entries."""
+        self.llm.collective_rpc(_load_weights_on_worker, args=(str(path),))
+        self.llm.reset_prefix_cache()
+
+    def sleep(self, level: int = 1) -> list[GenResult]:
+        """Abort everything and park the engine (level 1: weights to CPU; level 2: weights dropped)."""
+        partials = self.abort([*self.running, *(w.seq_id for w in self.waiting)])
+        self.llm.sleep(level=level)
+        self.sleeping = True
+        return partials
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self.llm.wake_up(tags)
+        self.sleeping = not (tags is None or set(tags) >= {"weights", "kv_cache"})
+
+    def offload(self) -> list[GenResult]:
+        """Abort all, tear the vLLM engine down and free its GPU memory; returns the partials."""
+        partials = self.abort([*self.running, *(w.seq_id for w in self.waiting)]) + self._ready
+        self._ready = []
+        del self.engine
+        self.llm = None
+        import gc
+
+        gc.collect()
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        except ImportError:  # pragma: no cover - torch is a hard dependency
+            pass
+        return partials
+
+    def stats(self) -> dict:
+        return {
+            "tokens_generated": self.tokens_generated,
+            "busy_time_s": self.busy_time_s,
+            "tokens_per_s": self.tokens_generated / self.busy_time_s if self.busy_time_s else 0.0,
+            "steps": self.steps,
+            "running": self.num_running,
+            "waiting": self.num_waiting,
+            "reserved_tokens": self.reserved_tokens,
+            "kv_budget_tokens": self.kv_budget_tokens,
+            "samples": list(self.samples),
+        }
+
+    # -- internals ----------------------------------------------------------------------------------------
+    def _check_live(self) -> None:
+        if self.llm is None:
+            raise RuntimeError("engine was offloaded; build a new one")
+
+    def sampling_params(self, req: GenRequest):
+        """vLLM `SamplingParams` for (the rest of) `req`."""
+        from vllm.sampling_params import RequestOutputKind
+
+        s = req.sampling
+        return self._vllm.SamplingParams(
+            n=1,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            max_tokens=s.max_new_tokens - len(req.generated_ids),
+            stop_token_ids=list(s.stop_ids),
+            ignore_eos=True,  # stop only on `stop_ids`, like the compact engine
+            seed=resume_seed(s.seed, len(req.generated_ids)),
+            logprobs=0,
+            detokenize=False,
+            output_kind=RequestOutputKind.DELTA,
+        )
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.max_batch:
+            req = self.waiting[0]
+            need = self.reservation(req)
+            if self.running and self.reserved_tokens + need > self.kv_budget_tokens:
+                break
+            self.waiting.popleft()
+            self.reserved_tokens += need
+            track = _Track(req, need, list(req.generated_ids), list(req.logprobs))
+            self.running[req.seq_id] = track
+            prompt = {"prompt_token_ids": list(req.prompt_ids) + list(req.generated_ids)}
+            self.engine.add_request(req.seq_id, prompt, self.sampling_params(req))
+
+    def _finish(self, seq_id: str, reason: FinishReason) -> GenResult:
+        track = self.running.pop(seq_id)
+        self.reserved_tokens -= track.reserve
+        req = track.req
+        return GenResult(seq_id, list(req.prompt_ids), track.generated, track.logprobs, reason)
