@@ -9,7 +9,8 @@ work) to where they would be busy.
 1. Shift-up role u = argmax τ_r, τ_r = W_r / T_r (remaining tokens over current tokens/s; ∞ for a role
    with work and no active replica). If u cannot use a device (a tail of fewer sequences than replicas:
    no candidate clears step 5), the next role in τ order is tried.
-2. Donors: every active, out-of-cooldown replica j of every other role d (and every free device, φ = 0),
+2. Donors: every active, out-of-cooldown replica j of every other role d (and every free device, φ = 0;
+   a role with work keeps at least one replica, so no sequence is stranded),
    with penalty φ_j = shift_duration(d→u)·f_j(n_j)·w_d (work it stops doing while it shifts) +
    g_d · context_j / prefill_rate_d (re-prefill of the sequences it hands back). Idle replicas are cheap.
 3. Candidates by dynamic programming over donor roles, state = devices freed so far: for each x, the best
@@ -21,16 +22,17 @@ work) to where they would be busy.
    its own replica count, the DP in step 3 is exact (tests compare it with brute force over subsets).
 5. Select the candidate with the largest B = G − φ, if B > max(0, hysteresis × baseline work over H).
 
-Cost: O(I log I) for the snapshot and sorting, O(K·D) numpy work for the DP; nothing walks sequences (the
-state keeps per-role and per-replica aggregates), so planning time does not grow with NSeq.
+Cost: O(I log I) for the snapshot and sorting, O(K·D) vectorised numpy work for the DP; nothing walks
+sequences (the state keeps per-role and per-replica aggregates), so planning time does not grow with NSeq.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
 
 from pivotrl.core.shiftcost import ShiftCostModel
 from pivotrl.core.state import ClusterState
@@ -157,6 +159,18 @@ class PlanResult:
     to_role: Role | None
 
 
+@dataclass(frozen=True)
+class DonorPool:
+    """The eligible donors of one role (None: free devices), sorted by id, with the two parts of φ:
+    `lost` = work per second of shift it stops doing (rate × w, device-seconds/s) and `reprefill`."""
+
+    role: Role | None
+    g: int
+    ids: tuple[str, ...]
+    lost: np.ndarray
+    reprefill: np.ndarray
+
+
 def tau(views: dict[Role, RoleView]) -> dict[Role, float]:
     out = {}
     for r, v in views.items():
@@ -169,12 +183,57 @@ def tau(views: dict[Role, RoleView]) -> dict[Role, float]:
     return out
 
 
+def keep_limit(views: dict[Role, RoleView], role: Role | None) -> int:
+    """How many replicas role `role` may give up: all but one while it has (or is about to get) work, so
+    a plan never strands sequences with no replica to run them."""
+    if role is None:
+        return 1 << 30
+    v = views[role]
+    return v.replicas - 1 if v.seqs + v.arriving_seqs > 0 else v.replicas
+
+
 def donor_penalty(rep: Replica, view: RoleView, costs: ShiftCostModel, to_role: Role,
                   prefill_rate: float) -> float:
+    """φ of one replica (the scalar form of what `donor_pools` computes in bulk)."""
     dur = costs.duration(rep.role, to_role)
     lost = dur * rep.model.rate(rep.n) * view.weight
     reprefill = view.g * rep.context / prefill_rate if prefill_rate > 0 else 0.0
     return lost + reprefill
+
+
+def donor_pools(state: ClusterState, views: dict[Role, RoleView], now: float) -> list[DonorPool]:
+    """Step 2's inputs, once per planning call: active, out-of-cooldown replicas per role, free devices."""
+    cfg = state.config
+    pools: list[DonorPool] = []
+    free = sorted(state.free_devices())
+    if free:
+        pools.append(DonorPool(None, 1, tuple(free), np.zeros(len(free)), np.zeros(len(free))))
+    shifted = state.device_shifted_at
+    cutoff = now - cfg.cooldown_s
+    for role in state.roles:
+        view = views[role]
+        prefill = cfg.spec(role).prefill_tokens_per_s
+        ids: list[str] = []
+        lost: list[float] = []
+        ctx: list[float] = []
+        for rid in sorted(state.by_role[role]):
+            rep = state.by_role[role][rid]
+            if rep.state is not ReplicaState.ACTIVE:
+                continue
+            recent = False
+            for dev in rep.devices:
+                if shifted.get(dev, -math.inf) > cutoff:
+                    recent = True
+                    break
+            if recent:
+                continue
+            ids.append(rid)
+            lost.append(rep.model.rate(rep.n) * view.weight if rep.running else 0.0)
+            ctx.append(rep.context)
+        if ids:
+            re = np.asarray(ctx, dtype=float) * (view.g / prefill if prefill > 0 else 0.0)
+            pools.append(DonorPool(role, view.g, tuple(ids), np.asarray(lost), re))
+    return pools
 
 
 def plan(state: ClusterState, costs: ShiftCostModel, now: float) -> PlanResult:
@@ -196,128 +255,139 @@ def plan(state: ClusterState, costs: ShiftCostModel, now: float) -> PlanResult:
     if not order:
         return PlanResult(PlanReasoning(now, tau_s, thr, work, None, (), None, threshold, "no role has work"),
                           None, (), None)
-    first: PlanResult | None = None
+    pools = donor_pools(state, views, now)
+    shown: _Evaluation | None = None
     tried: list[str] = []
     for u in order:
-        res = plan_for(state, costs, now, views, u, threshold)
-        tried.append(f"{u}: {res.reasoning.note}")
-        if first is None:
-            first = res
-        if res.chosen is not None:
-            first = res
+        ev = plan_for(state, costs, views, pools, u, threshold)
+        tried.append(f"{u}: {ev.note}")
+        if shown is None or (shown.xs.size == 0 and ev.xs.size > 0):
+            shown = ev  # with nothing chosen, show the most-behind role that had candidates
+        if ev.donors:
+            shown = ev
             break
-    assert first is not None
-    r = first.reasoning
-    note = "; ".join(tried)
-    return PlanResult(PlanReasoning(now, tau_s, thr, work, r.shift_up_role, r.candidates, r.chosen,
-                                    threshold, note), first.chosen, first.donors, first.to_role)
+    assert shown is not None
+    cands, chosen = shown.candidates()
+    reasoning = PlanReasoning(now, tau_s, thr, work, str(shown.role), cands, chosen, threshold,
+                              "; ".join(tried))
+    return PlanResult(reasoning, chosen, shown.donors, shown.role)
 
 
-def plan_for(state: ClusterState, costs: ShiftCostModel, now: float, views: dict[Role, RoleView], u: Role,
-             threshold: float) -> PlanResult:
+@dataclass
+class _Evaluation:
+    """Steps 2-5 for one shift-up role, kept as arrays; Candidate objects are built only for the one shown."""
+
+    role: Role
+    g: int
+    note: str
+    xs: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    k_of: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), dtype=np.int64))
+    names: tuple[str, ...] = ()
+    gain: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    phi: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    best: int = -1
+    donors: tuple[Donor, ...] = ()
+
+    def candidates(self) -> tuple[tuple[Candidate, ...], Candidate | None]:
+        cands = [Candidate(x, (), {n: k for n, k in zip(self.names, kk) if k}, x // self.g, gv, pv)
+                 for x, kk, gv, pv in zip(self.xs.tolist(), self.k_of.T.tolist(), self.gain.tolist(),
+                                          self.phi.tolist())]
+        chosen = None
+        if self.donors:
+            b = cands[self.best]
+            chosen = Candidate(b.devices, tuple(d.replica_id or d.device or "" for d in self.donors),
+                               b.donors_per_role, b.new_replicas, b.gain, b.penalty)
+            cands[self.best] = chosen
+        return tuple(cands), chosen
+
+
+def plan_for(state: ClusterState, costs: ShiftCostModel, views: dict[Role, RoleView],
+             pools: list[DonorPool], u: Role, threshold: float) -> _Evaluation:
     """Steps 2-5 for shift-up role `u`."""
     cfg = state.config
     vu = views[u]
 
-    def result(note: str, cands: tuple[Candidate, ...] = (), chosen: Candidate | None = None,
-               donors: tuple[Donor, ...] = ()) -> PlanResult:
-        return PlanResult(PlanReasoning(now, {}, {}, {}, str(u), cands, chosen, threshold, note), chosen,
-                          donors, u)
-
-    # Step 2: donors with their penalties, cheapest first per donor role.
-    layers: list[tuple[Role | None, int, list[Donor]]] = []
-    free = state.free_devices()
-    if free:
-        layers.append((None, 1, [Donor(None, d, None, 1, 0.0) for d in sorted(free)]))
-    for d in state.roles:
-        if d is u:
+    # Step 2: penalties for moving to u, cheapest first per donor role (ties by id).
+    layers: list[tuple[DonorPool, np.ndarray, np.ndarray]] = []   # pool, order, sorted φ
+    for pool in pools:
+        if pool.role is u:
             continue
-        vd = views[d]
-        prefill = cfg.spec(d).prefill_tokens_per_s
-        donors = []
-        for rep in state.by_role[d].values():
-            if rep.state is not ReplicaState.ACTIVE:
-                continue
-            if any(now - state.device_shifted_at.get(dev, -math.inf) < cfg.cooldown_s for dev in rep.devices):
-                continue
-            donors.append(Donor(rep.replica_id, None, d, vd.g, donor_penalty(rep, vd, costs, u, prefill)))
-        if donors:
-            donors.sort(key=lambda x: (x.penalty, x.replica_id))
-            layers.append((d, vd.g, donors))
+        phi = costs.duration(pool.role, u) * pool.lost + pool.reprefill
+        order = np.argsort(phi, kind="stable")
+        layers.append((pool, order, phi[order]))
     if not layers:
-        return result("no donor available")
+        return _Evaluation(u, vu.g, "no donor available")
     total_devices = len(state.device_role)
-    max_x = sum(len(ds) * g for _, g, ds in layers)
+    max_x = sum(len(p.ids) * p.g for p, _, _ in layers)
     max_x = min(max_x, math.floor(cfg.max_shift_fraction * total_devices + 1e-9))
     if max_x < vu.g:
-        return result("not enough movable devices")
+        return _Evaluation(u, vu.g, "not enough movable devices")
+    # G can only shrink below u's own gain (donor losses and φ are never negative): skip hopeless roles.
+    if not vu.processed(vu.replicas + max_x // vu.g) - vu.processed(vu.replicas) > max(threshold, 1e-12):
+        return _Evaluation(u, vu.g, "more devices cannot gain more than the margin")
 
-    # Step 3: DP over donor roles; state = devices freed so far.
+    # Step 3: DP over donor roles; state = devices freed so far. One vectorised (max, +) step per role.
     neg = -math.inf
     dp = np.full(max_x + 1, neg)
     dp[0] = 0.0
+    xs_all = np.arange(max_x + 1)
     picks: list[np.ndarray] = []
     layer_loss: list[np.ndarray] = []
     layer_phi: list[np.ndarray] = []
-    for role, g, donors in layers:
-        kmax = min(len(donors), max_x // g)
-        phi = np.concatenate([[0.0], np.cumsum([x.penalty for x in donors[:kmax]])])
-        if role is None:
+    for pool, _, phi_sorted in layers:
+        g = pool.g
+        kmax = min(len(pool.ids), max_x // g, keep_limit(views, pool.role))
+        phi = np.concatenate([[0.0], np.cumsum(phi_sorted[:kmax])])
+        ks = np.arange(kmax + 1)
+        if pool.role is None:
             loss = np.zeros(kmax + 1)
         else:
-            vd = views[role]
-            ks = np.arange(kmax + 1)
+            vd = views[pool.role]
             loss = vd.processed(vd.replicas) - vd.processed_many(vd.replicas - ks)
         val = -loss - phi
-        new = np.full(max_x + 1, neg)
-        pick = np.zeros(max_x + 1, dtype=np.int64)
-        for k in range(kmax + 1):
-            s = k * g
-            cand = dp[: max_x + 1 - s] + val[k]
-            seg = new[s:]
-            better = cand > seg
-            if better.any():
-                seg[better] = cand[better]
-                pick[s:][better] = k
-        dp = new
+        # Row k of the table is dp shifted right by k·g (−∞ where x < k·g) plus val[k]: strided views of a
+        # left-padded dp, so no index arrays are built.
+        padded = np.concatenate([np.full(kmax * g, neg), dp])
+        windows = sliding_window_view(padded, max_x + 1)[::g][kmax::-1]
+        table = windows + val[:, None]
+        pick = table.argmax(axis=0)   # first maximum: the fewest donors of this role on ties
+        dp = table[pick, xs_all]
         picks.append(pick)
         layer_loss.append(loss)
         layer_phi.append(phi)
 
-    def backtrack(x: int) -> list[int]:
-        ks = [0] * len(layers)
-        for li in range(len(layers) - 1, -1, -1):
-            k = int(picks[li][x])
-            ks[li] = k
-            x -= k * layers[li][1]
-        return ks
-
-    # Steps 4-5: G, φ, B per feasible x; pick the best.
+    # Steps 4-5: G, φ, B per feasible x (backtracking all x at once); pick the best.
     xs = np.arange(vu.g, max_x + 1, vu.g)
     xs = xs[np.isfinite(dp[xs])]
     if xs.size == 0:
-        return result("no feasible candidate")
-    gain_u = vu.processed_many(vu.replicas + xs // vu.g) - vu.processed(vu.replicas)
-    benefit = gain_u + dp[xs]
-    cands: list[Candidate] = []
-    best_i = -1
-    for i, x in enumerate(xs.tolist()):
-        ks = backtrack(x)
-        lost = sum(float(layer_loss[li][k]) for li, k in enumerate(ks))
-        phi = sum(float(layer_phi[li][k]) for li, k in enumerate(ks))
-        per_role = {("free" if layers[li][0] is None else str(layers[li][0])): k
-                    for li, k in enumerate(ks) if k}
-        cands.append(Candidate(x, (), per_role, x // vu.g, float(gain_u[i]) - lost, phi))
-        if best_i < 0 or benefit[i] > benefit[best_i]:
-            best_i = i
-    best = cands[best_i]
-    if not best.benefit > max(threshold, 1e-12):
-        return result("no candidate beats the hysteresis margin", tuple(cands))
-    ks = backtrack(int(xs[best_i]))
+        return _Evaluation(u, vu.g, "no feasible candidate")
+    k_of = np.zeros((len(layers), xs.size), dtype=np.int64)
+    rest = xs.copy()
+    for li in range(len(layers) - 1, -1, -1):
+        k = picks[li][rest]
+        k_of[li] = k
+        rest = rest - k * layers[li][0].g
+    lost = np.zeros(xs.size)
+    phi_tot = np.zeros(xs.size)
+    for li in range(len(layers)):
+        lost += layer_loss[li][k_of[li]]
+        phi_tot += layer_phi[li][k_of[li]]
+    gain = vu.processed_many(vu.replicas + xs // vu.g) - vu.processed(vu.replicas) - lost
+    benefit = gain - phi_tot
+    best_i = int(np.argmax(benefit))
+    names = tuple("free" if p.role is None else str(p.role) for p, _, _ in layers)
+    ev = _Evaluation(u, vu.g, "", xs, k_of, names, gain, phi_tot, best_i)
+    if not benefit[best_i] > max(threshold, 1e-12):
+        ev.note = "no candidate beats the hysteresis margin"
+        return ev
     chosen_donors: list[Donor] = []
-    for li, k in enumerate(ks):
-        chosen_donors.extend(layers[li][2][:k])
-    chosen = Candidate(best.devices, tuple(d.replica_id or d.device or "" for d in chosen_donors),
-                       best.donors_per_role, best.new_replicas, best.gain, best.penalty)
-    cands[best_i] = chosen
-    return result("shift", tuple(cands), chosen, tuple(chosen_donors))
+    for li in range(len(layers)):
+        pool, order, phi_sorted = layers[li]
+        for j in range(int(k_of[li, best_i])):
+            idx = int(order[j])
+            rid = None if pool.role is None else pool.ids[idx]
+            dev = pool.ids[idx] if pool.role is None else None
+            chosen_donors.append(Donor(rid, dev, pool.role, pool.g, float(phi_sorted[j])))
+    ev.note = "shift"
+    ev.donors = tuple(chosen_donors)
+    return ev

@@ -66,14 +66,11 @@ def role_has_work(state: ClusterState, role: Role) -> bool:
     return state.n_seqs[role] > 0
 
 
-def future_work(state: ClusterState, role: Role) -> bool:
-    """Will `role` still receive work this iteration (from upstream stages or unsubmitted rollouts)?"""
-    if role not in PIPELINE:
-        return False
-    if any(state.n_seqs.get(up, 0) > 0 for up in PIPELINE[: PIPELINE.index(role)]):
-        return True
+def unsubmitted_rollouts(state: ClusterState, role: Role) -> bool:
+    """Is `role` the rollout stage with rollouts the iteration plan announced but the driver has not
+    submitted yet? (Any other stage's future work needs its upstream stages to run first.)"""
     plan = state.plan
-    return plan is not None and plan.rollout_seqs > state.submitted[Role.ROLLOUT]
+    return role is PIPELINE[0] and plan is not None and plan.rollout_seqs > state.submitted[PIPELINE[0]]
 
 
 class Colocated(Policy):
@@ -83,7 +80,7 @@ class Colocated(Policy):
         if any(r.state is ReplicaState.SHIFTING for r in state.replicas.values()):
             return None  # the whole cluster is switching; wait for it
         current = next((r for r in state.roles if state.by_role[r]), None)
-        if current is not None and (role_has_work(state, current) or future_work(state, current)):
+        if current is not None and (role_has_work(state, current) or unsubmitted_rollouts(state, current)):
             # Stay; free devices (new or orphaned by a lost partner) join the current stage.
             return self._fill_split(state, {current: len(state.device_role)}, "colocated:join")
         start = 0 if current is None else (state.roles.index(current) + 1)
