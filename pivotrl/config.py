@@ -99,7 +99,7 @@ class ClusterConfig(Section):
     workers: int | None = Field(None, ge=1, description="device workers; default one per core")
     scheduler: str | None = Field(None, description="tcp://host:port of an existing Dask scheduler")
     host: str = "127.0.0.1"
-    dashboard_address: str = ":8787"
+    dashboard_address: str | None = Field(":8787", description="None: no dashboard")
     torch_threads: int = Field(1, ge=1)
 
 

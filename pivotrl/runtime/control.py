@@ -159,3 +159,53 @@ class ManualControl:
             "queue_depth": {r: len(q) for r, q in self.queues.items()},
             "roles": dict(self.role_of),
         }
+
+
+class StaticGroupsControl(ManualControl):
+    """Disaggregated deployment for clusters with fewer devices than roles: a *fixed* group of roles per
+    device (e.g. device 0: rollout+train, device 1: reward). A device serves one role of its group at a time
+    and switches, colocated-style, only when that role has nothing waiting or running on it and another role
+    of its group has work waiting. With one role per device this is the plain static split; devices never
+    leave their group, so this is the static baseline the shiftable planner is compared against.
+    (Kept here, next to the manual mechanism, until core grows grouped static splits.)
+    """
+
+    def __init__(self, groups: list[list[str]]) -> None:
+        if not groups or any(not g for g in groups):
+            raise ValueError("every device group needs at least one role")
+        super().__init__([g[0] for g in groups])
+        self.groups = [list(g) for g in groups]
+        self.group_of: dict[str, list[str]] = {}
+        self.shifting: set[str] = set()
+
+    def add_device(self, dev: str, now: float) -> str | None:
+        self.group_of[dev] = self.groups[self._joined % len(self.groups)]
+        return super().add_device(dev, now)
+
+    def on_shift_started(self, dev: str, role: str, now: float) -> None:
+        super().on_shift_started(dev, role, now)
+        self.shifting.add(dev)
+
+    def on_shift_done(self, dev: str, role: str, timings: dict[str, float], now: float) -> Decision | None:
+        self.shifting.discard(dev)
+        return super().on_shift_done(dev, role, timings, now)
+
+    def tick(self, now: float) -> Decision | None:
+        shifts = []
+        for dev, group in self.group_of.items():
+            role = self.role_of.get(dev)
+            if dev in self.shifting or not self.ready.get(dev) or len(group) < 2:
+                continue
+            busy = self.queues.get(role) or any(d == dev for d in self.running_on.values())
+            if busy:
+                continue
+            nxt = [r for r in group if r != role and self.queues.get(r)]
+            if nxt:
+                shifts.append((dev, nxt[0]))
+        if not shifts:
+            return super().tick(now)
+        return Decision(
+            id=f"groups-{next(self._ids)}",
+            shifts=shifts,
+            reasoning={"stimulus": "role idle, other role of the group waiting"},
+        )

@@ -79,6 +79,7 @@ def worker_role_specs(cfg: PipelineConfig, paths: dict[str, Path], run_id: str) 
             "hf_dir": str(paths["policy"]),
             "dtype": pol.dtype,
             "kv_budget_tokens": cfg.rollout.engine.kv_budget_tokens,
+            "backend": cfg.rollout.engine.backend,
             "max_batch": cfg.rollout.engine.max_batch,
         },
         "reward": {
@@ -87,6 +88,7 @@ def worker_role_specs(cfg: PipelineConfig, paths: dict[str, Path], run_id: str) 
             "hf_dir": str(paths["genrm"]),
             "dtype": rm.dtype,
             "kv_budget_tokens": cfg.reward.engine.kv_budget_tokens,
+            "backend": cfg.reward.engine.backend,
             "max_batch": cfg.reward.engine.max_batch,
         },
         "train": {
@@ -292,7 +294,10 @@ def run_pipeline(
     progress: bool = True,
     evaluate_policy: bool = True,
     save_final: bool = True,
+    control: Any = None,
 ) -> RunResult:
+    """Run `cfg` end to end (see the module docstring). `control` overrides the controller that `mode`
+    selects (benchmarks pass grouped static splits this way)."""
     from transformers import AutoTokenizer
 
     from pivotrl.gps import ParameterStore
@@ -342,7 +347,7 @@ def run_pipeline(
                 log(f"dashboard: {handle.dashboard_link}  (pivotrl page: /pivotrl)")
             session = RuntimeSession.install(
                 handle.client,
-                control=make_control(cfg, mode),
+                control=control if control is not None else make_control(cfg, mode),
                 role_specs=worker_role_specs(cfg, paths, run_id),
                 worker_options={
                     "torch_threads": cl.torch_threads,

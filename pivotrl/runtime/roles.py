@@ -55,16 +55,28 @@ class GenerationContext(_Weights):
         super().__init__(role, spec)
         self.engine: Any = None
         self.max_batch = int(spec.get("max_batch", 64))
+        self.live: set[str] = set()  # ids added and not yet finished or aborted
+        self.live: set[str] = set()  # ids added and not yet finished or aborted
 
     def load(self, env: Any, state: dict[str, torch.Tensor]) -> None:
+        kv = int(self.spec.get("kv_budget_tokens", 65536))
+        if self.spec.get("backend", "torch") == "vllm":  # GPU: same interface over vLLM (lazy import)
+            from pivotrl.engines.vllm_engine import VLLMEngine
+
+            self.engine = VLLMEngine(
+                self.spec["hf_dir"],
+                kv_budget_tokens=kv,
+                max_batch=self.max_batch,
+                device=env.device,
+                dtype=self.spec.get("dtype", "auto"),
+            )
+            self.engine.load_state_dict(state)  # the GPS version, not whatever the directory holds
+            return
         from pivotrl.engines.generation import GenerationEngine
 
         model = _build_model(self.spec, env.device, state)
         self.engine = GenerationEngine(
-            model,
-            kv_budget_tokens=int(self.spec.get("kv_budget_tokens", 65536)),
-            max_batch=self.max_batch,
-            device=env.device,
+            model, kv_budget_tokens=kv, max_batch=self.max_batch, device=env.device
         )
 
     def set_version(self, env: Any, version: int) -> None:
@@ -83,6 +95,7 @@ class GenerationContext(_Weights):
         s = dict(p.get("sampling") or {})
         if "stop_ids" in s:
             s["stop_ids"] = tuple(s["stop_ids"])
+        self.live.add(item["id"])
         self.engine.add(
             GenRequest(
                 seq_id=item["id"],
@@ -102,11 +115,12 @@ class GenerationContext(_Weights):
         return max(0, self.max_batch - self.engine.num_running - self.engine.num_waiting)
 
     def step(self) -> tuple[list[dict[str, Any]], tuple[int, float, int] | None]:
-        before = self.engine.tokens_generated
+        before = self._tokens()
         t0 = time.perf_counter()
         done = self.engine.step()
         dt = time.perf_counter() - t0
-        tokens = self.engine.tokens_generated - before
+        tokens = self._tokens() - before
+        self.live.difference_update(r.seq_id for r in done)
         out = [
             {
                 "id": r.seq_id,
@@ -119,11 +133,15 @@ class GenerationContext(_Weights):
         ]
         return out, ((tokens, dt, tokens) if tokens else None)
 
+    def _tokens(self) -> int:
+        n = getattr(self.engine, "tokens_generated", None)
+        return int(n if n is not None else self.engine.stats().get("tokens_generated", 0))
+
     def abort(self, ids: list[str] | None) -> list[dict[str, Any]]:
         if self.engine is None:
             return []
-        if ids is None:
-            ids = [r.req.seq_id for r in self.engine.running] + [w.seq_id for w in self.engine.waiting]
+        ids = sorted(self.live) if ids is None else list(ids)
+        self.live.difference_update(ids)
         return [
             {"id": r.seq_id, "generated": r.generated_ids, "logprobs": r.logprobs}
             for r in self.engine.abort(ids)

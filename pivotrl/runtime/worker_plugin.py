@@ -180,6 +180,13 @@ class PivotWorkerPlugin(WorkerPlugin):
         if self.pin_cores and self.pinned:
             with contextlib.suppress(Exception):
                 pin_process_to_core(int(self.worker.name))
+        for path in set(self.contexts.values()):  # import role code now, so shift timings measure shifting
+            with contextlib.suppress(Exception):
+                resolve(path)
+        with contextlib.suppress(Exception):
+            import pivotrl.engines.generation
+            import pivotrl.engines.trainer
+            import pivotrl.gps  # noqa: F401
         while not self._stop.is_set():
             try:
                 reply = self._sync()
