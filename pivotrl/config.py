@@ -80,19 +80,44 @@ class RolloutConfig(Section):
     engine: EngineConfig = EngineConfig()
 
 
+class SFTConfig(Section):
+    """Bootstrap supervised fine-tuning of one model (the weak policy or the judge), from scratch.
+
+    ``shape`` overrides fields of the engine's ``base_size`` preset (e.g. ``hidden_size``), so CPU runs can
+    use a model sized to the task rather than only the two presets.
+    """
+
+    base_size: Literal["debug", "small"] = "debug"
+    shape: dict[str, int] = Field(default_factory=dict)
+    steps: int = Field(300, ge=0)
+    batch_size: int = Field(32, ge=1)
+    lr: float = Field(3e-3, gt=0.0)
+    examples: int = Field(20000, ge=1)
+    seed: int = 0
+    sloppy: float = Field(
+        0.0,
+        ge=0.0,
+        le=1.0,
+        description="policy only: share of demonstrations from a sloppy teacher that drops repeated digits",
+    )
+
+
 class RewardConfig(Section):
     sampling: SamplingConfig = SamplingConfig(temperature=0.0, max_new_tokens=96)
     engine: EngineConfig = EngineConfig()
-    default_reward: float = 0.0
+    default_reward: float = Field(0.0, description="reward of an unparseable judgment")
+    sft: SFTConfig = SFTConfig(steps=1200, batch_size=64)
 
 
 class TrainConfig(Section):
     lr: float = Field(1e-4, gt=0.0)
     clip_eps: float = Field(0.2, gt=0.0)
     kl_coef: float = Field(0.0, ge=0.0)
+    log_ref_kl: bool = Field(True, description="measure KL to the bootstrap policy even when kl_coef is 0")
     micro_batch: int = Field(16, ge=1)
     grad_clip: float = Field(1.0, gt=0.0)
     weight_decay: float = Field(0.0, ge=0.0)
+    sft: SFTConfig = SFTConfig(steps=200, batch_size=64)
 
 
 class ClusterConfig(Section):

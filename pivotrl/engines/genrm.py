@@ -2,9 +2,9 @@
 
 Why generative: the judge's critiques are long and their length varies with the problem, which makes the
 reward stage expensive and long-tailed — the load that role shifting exists to absorb. Our judge first
-re-derives the reference answer (``ref 1 3 4 9.``), whose length grows with the problem size, and then
-writes ``verdict: yes`` or ``verdict: no``. A GPU-scale judge (Qwen3-30B-A3B) uses the same template idea
-with a longer natural-language critique.
+re-derives the reference answer item by item, marking each item of the response against it (the
+critique's length grows with the problem size), and then writes ``verdict: yes`` or ``verdict: no``.
+A GPU-scale judge (Qwen3-30B-A3B) uses the same template idea with a longer natural-language critique.
 
 The parser never raises: unparseable text gets a configurable default reward and is counted, because a
 judge that rambles must not crash an RL run.
@@ -24,28 +24,48 @@ _SCORE = re.compile(r"score\s*[:=]\s*(-?\d+(?:\.\d+)?)", re.IGNORECASE)
 _POSITIVE = {"yes", "correct", "true", "pass"}
 
 
+TAGS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+
+
 @dataclass(frozen=True)
 class JudgeTemplate:
     """How a (prompt, response) pair is shown to the judge, and what a well-formed judgment looks like.
 
-    The judge sees ``<task prompt><response>\\n`` — the task prompt already ends with ``=``, so the pair reads
-    like a worked line — and continues with ``ref <re-derived answer>. verdict: yes|no``.
+    The response is shown with its items tagged by position (``1 3 4 9`` → ``a1 b3 c4 d9``), the way judges
+    are shown numbered lines or steps, so the critique can refer to items by tag. The judge then re-derives
+    the reference item by item and marks each against the response's item with the same tag — ``=`` when
+    they agree, ``x`` when not — and one more tag past the end (``-``) catches a response that runs long:
+
+        sort 3 9 1 3=a1 b3 c9\n  →  a1= b3= c3x d9x e-= verdict: no
+
+    The critique grows with the problem (≈ 4 characters per item), so judging is as long-tailed as the task.
     """
 
     separator: str = "\n"
-    max_response_chars: int = 200
+    max_items: int = len(TAGS) - 1
+
+    def items(self, text: str) -> list[str]:
+        return text.split()[: self.max_items]
 
     def prompt(self, problem_prompt: str, response: str) -> str:
-        shown = " ".join(response.split())[: self.max_response_chars]  # one line, bounded: never the template
+        shown = " ".join(f"{TAGS[i]}{w}" for i, w in enumerate(self.items(response)))
         return f"{problem_prompt}{shown}{self.separator}"
 
-    def rationale(self, problem: Problem) -> str:
-        """The critique a perfect judge writes before its verdict: the re-derived reference answer."""
-        return f"ref {normalize(problem.answer)}."
+    def rationale(self, problem: Problem, response: str) -> str:
+        """The critique a perfect judge writes before its verdict: reference items marked against the
+        response's."""
+        ref = normalize(problem.answer).split(" ")[: self.max_items]
+        got = self.items(response)
+        parts = []
+        for k in range(len(ref) + 1):
+            want = ref[k] if k < len(ref) else "-"
+            have = got[k] if k < len(got) else "-"
+            parts.append(f"{TAGS[k]}{want}{'=' if want == have else 'x'}")
+        return " ".join(parts)
 
-    def judgment(self, problem: Problem, correct: bool) -> str:
-        """The full target text of a synthetic judgment (used to train the bootstrap judge)."""
-        return f"{self.rationale(problem)} verdict: {'yes' if correct else 'no'}"
+    def judgment(self, problem: Problem, response: str, correct: bool) -> str:
+        """The full target text of a synthetic judgment; ``correct`` comes from the task's verifier."""
+        return f"{self.rationale(problem, response)} verdict: {'yes' if correct else 'no'}"
 
 
 def parse_verdict(text: str) -> float | None:
@@ -111,7 +131,9 @@ class GenRMJudge:
     def prompts(self, problems: Sequence[Problem], responses: Sequence[str]) -> list[str]:
         return [self.template.prompt(p.prompt, r) for p, r in zip(problems, responses, strict=True)]
 
-    def score_texts(self, texts: Sequence[str], tokens: Sequence[int], finish: Sequence[str]) -> list[Judgment]:
+    def score_texts(
+        self, texts: Sequence[str], tokens: Sequence[int], finish: Sequence[str]
+    ) -> list[Judgment]:
         """Parse already generated judge texts (the runtime generates them on reward replicas)."""
         out = []
         for text, n, fin in zip(texts, tokens, finish, strict=True):
@@ -122,7 +144,9 @@ class GenRMJudge:
                 self.counters.unparsed += 1
                 if len(self.counters.examples_unparsed) < 5:
                     self.counters.examples_unparsed.append(text[:80])
-            out.append(Judgment(self.default_reward if value is None else value, value is not None, text, n, fin))
+            out.append(
+                Judgment(self.default_reward if value is None else value, value is not None, text, n, fin)
+            )
         return out
 
     def judge(self, problems: Sequence[Problem], responses: Sequence[str]) -> list[Judgment]:

@@ -14,7 +14,7 @@ from pivotrl.tasks import Problem, get_task
 @pytest.mark.parametrize(
     ("text", "want"),
     [
-        ("ref 1 3 4 9. verdict: yes", 1.0),
+        ("a1= b3= c4= d-= verdict: yes", 1.0),
         ("ref 1 3 4 9. verdict: no", 0.0),
         ("ref 1 2. Verdict : YES", 1.0),
         ("verdict: yes ... on reflection verdict: no", 0.0),  # the last verdict wins
@@ -42,22 +42,26 @@ def test_parse_never_raises_on_garbage():
     assert parse_verdict(None) is None  # type: ignore[arg-type]
 
 
-def test_template_reads_like_a_worked_line_and_bounds_the_response():
-    t = JudgeTemplate(max_response_chars=10)
-    p = Problem("u", "sort 3 1 2=", "1 2 3")
-    assert t.prompt(p.prompt, "1 2 3") == "sort 3 1 2=1 2 3\n"
-    assert t.prompt(p.prompt, " 1\n2   3 ") == "sort 3 1 2=1 2 3\n"  # one line: never breaks the template
-    assert len(t.prompt(p.prompt, "9 " * 100)) == len(p.prompt) + 10 + 1
-    assert t.judgment(p, True) == "ref 1 2 3. verdict: yes"
-    assert parse_verdict(t.judgment(p, False)) == 0.0
+def test_template_tags_items_and_the_critique_marks_each_one():
+    t = JudgeTemplate()
+    p = Problem("u", "sort 3 1 3=", "1 3 3")
+    assert t.prompt(p.prompt, "1 3 3") == "sort 3 1 3=a1 b3 c3\n"
+    assert t.prompt(p.prompt, " 1\n3   3 ") == "sort 3 1 3=a1 b3 c3\n"  # one line: never breaks the template
+    assert t.judgment(p, "1 3 3", True) == "a1= b3= c3= d-= verdict: yes"
+    assert t.judgment(p, "1 3", False) == "a1= b3= c3x d-= verdict: no"  # too short
+    assert t.judgment(p, "1 3 3 9", False) == "a1= b3= c3= d-x verdict: no"  # runs long
+    assert t.judgment(p, "3 1 3", False) == "a1x b3x c3= d-= verdict: no"
+    assert parse_verdict(t.judgment(p, "x", False)) == 0.0
+    long = JudgeTemplate(max_items=5)
+    assert long.prompt("sort 1=", "1 " * 100) == "sort 1=a1 b1 c1 d1 e1\n"  # bounded
 
 
 def test_rationale_length_grows_with_problem_size():
-    """The critique re-derives the answer, so the reward stage is as long-tailed as the task."""
+    """The critique re-derives the answer item by item, so the reward stage is as long-tailed as the task."""
     task = get_task("sort", {"median": 3, "sigma": 1.0, "max_size": 32})
     t = JudgeTemplate()
     problems = task.sample(400, seed=0)
-    lengths = sorted(len(t.judgment(p, True)) for p in problems)
+    lengths = sorted(len(t.judgment(p, p.answer, True)) for p in problems)
     assert lengths[-1] >= 3 * lengths[len(lengths) // 2]
 
 

@@ -1,0 +1,338 @@
+"""Bootstrap: the version-0 policy (deliberately weak SFT) and the GenRM judge (SFT on synthetic judgments).
+
+Why both are built here: no weights can be downloaded, and RL needs (a) a policy that already speaks the
+task's format but is often wrong, so there is something to learn, and (b) a judge that is reliably right,
+so that the GenRM reward alone can drive learning. The judge is trained on synthetic judgments built from
+the task's ground-truth verifier: (prompt, correct or corrupted response) → item-by-item critique + verdict.
+
+Everything is deterministic from the seed and cached under ``<storage_root>/models/<name>-<key>/`` where the
+key hashes every setting that shapes the weights, so a changed setting never reuses a stale model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import random
+import shutil
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from pivotrl.config import PipelineConfig, SFTConfig, load_config
+from pivotrl.engines.genrm import JudgeTemplate
+from pivotrl.errors import UserError
+from pivotrl.tasks import Problem, Task, get_task, normalize
+
+# ----------------------------------------------------------------------------------------------------
+# Synthetic data
+# ----------------------------------------------------------------------------------------------------
+
+
+def corrupt_answer(answer: str, rng: random.Random) -> str:
+    """A plausible wrong answer: the kinds of slips a weak policy makes (swap, drop, insert, change a digit,
+    reverse, truncate). Always differs from ``answer`` after whitespace normalisation."""
+    words = normalize(answer).split(" ")
+    for _ in range(20):
+        w = list(words)
+        kind = rng.choice(["swap", "drop", "insert", "change", "change", "reverse", "truncate"])
+        if kind == "swap" and len(w) >= 2:
+            i = rng.randrange(len(w) - 1)
+            w[i], w[i + 1] = w[i + 1], w[i]
+        elif kind == "drop" and len(w) >= 2:
+            del w[rng.randrange(len(w))]
+        elif kind == "insert":
+            w.insert(
+                rng.randrange(len(w) + 1), str(rng.randrange(10)) if rng.random() < 0.5 else rng.choice(w)
+            )
+        elif kind == "change":
+            i = rng.randrange(len(w))
+            w[i] = str(max(0, int(w[i]) + rng.choice([-2, -1, 1, 2]))) if w[i].isdigit() else "0"
+        elif kind == "reverse" and len(w) >= 2:
+            w = w[::-1]
+        elif kind == "truncate" and len(w) >= 2:
+            w = w[: rng.randrange(1, len(w))]
+        out = " ".join(w)
+        if out != normalize(answer):
+            return out
+    return normalize(answer) + " 0"
+
+
+@dataclass(frozen=True)
+class Pair:
+    """One SFT example: the model sees ``prompt`` and learns to write ``target`` then <eos>."""
+
+    prompt: str
+    target: str
+
+
+def sloppy_answer(answer: str) -> str:
+    """The sloppy teacher's habit: it writes each distinct value once (``1 3 3 9`` → ``1 3 9``).
+
+    A plausible, systematic mistake ("sorted the set, not the list") that a verifier-trained judge catches,
+    so RL has a real habit to unlearn, not only a capability to build.
+    """
+    seen: list[str] = []
+    for w in normalize(answer).split(" "):
+        if w not in seen:
+            seen.append(w)
+    return " ".join(seen)
+
+
+def policy_pairs(problems: Sequence[Problem], sloppy: float = 0.0, seed: int = 0) -> list[Pair]:
+    """Demonstrations for the weak policy: the reference answer, or with probability ``sloppy`` the sloppy
+    teacher's version of it (identical when the list has no repeated digit)."""
+    rng = random.Random(f"policy-pairs:{seed}")
+    out = []
+    for p in problems:
+        target = sloppy_answer(p.answer) if sloppy > 0 and rng.random() < sloppy else normalize(p.answer)
+        out.append(Pair(p.prompt, target))
+    return out
+
+
+def judge_pairs(
+    task: Task, problems: Sequence[Problem], template: JudgeTemplate, seed: int, positive_frac: float = 0.5
+) -> tuple[list[Pair], list[bool]]:
+    """Synthetic judgments labelled by the task's verifier (never by hand): half correct references, half
+    corrupted ones, each with the rationale a perfect judge writes."""
+    rng = random.Random(f"judge-pairs:{seed}")
+    out, labels = [], []
+    for p in problems:
+        response = normalize(p.answer) if rng.random() < positive_frac else corrupt_answer(p.answer, rng)
+        ok = task.verify(p, response)
+        out.append(Pair(template.prompt(p.prompt, response), template.judgment(p, response, ok)))
+        labels.append(ok)
+    return out, labels
+
+
+# ----------------------------------------------------------------------------------------------------
+# Models
+# ----------------------------------------------------------------------------------------------------
+
+
+def build_config(sft: SFTConfig):
+    """An HF Qwen2 config from the engine's `debug` preset with the SFT section's shape overrides."""
+    from pivotrl.engines.models import make_config
+
+    base = make_config(sft.base_size)
+    if not sft.shape:
+        return base
+    fields = base.to_dict()
+    fields.pop("layer_types", None)  # derived from num_hidden_layers; rebuilt by the constructor
+    fields.update(sft.shape)
+    return type(base)(**fields)
+
+
+def new_model(config, seed: int):
+    from pivotrl.engines.model import CausalLM
+    from pivotrl.engines.models import init_state_dict
+
+    model = CausalLM.from_config(config)
+    model.load_state_dict(init_state_dict(config, seed))
+    return model
+
+
+def encode_pairs(tokenizer, pairs: Sequence[Pair]) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids with <bos>, target ids + <eos>)."""
+    eos = tokenizer.eos_token_id
+    prompts = tokenizer([p.prompt for p in pairs])["input_ids"]  # batched: the Rust tokenizer, one call
+    targets = tokenizer([p.target for p in pairs], add_special_tokens=False)["input_ids"]
+    return [(list(p), [*t, eos]) for p, t in zip(prompts, targets, strict=True)]
+
+
+def sft(
+    model: torch.nn.Module,
+    data: Sequence[tuple[list[int], list[int]]],
+    *,
+    steps: int,
+    batch_size: int,
+    lr: float,
+    seed: int,
+    pad_id: int,
+    warmup: int = 20,
+) -> list[float]:
+    """Teacher-forced cross-entropy on target tokens only; AdamW, warmup + cosine decay. Returns losses."""
+    gen = random.Random(f"sft:{seed}")
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
+    losses = []
+    model.train()
+    for step in range(steps):
+        scale = min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * step / max(steps, 1)))
+        for group in opt.param_groups:
+            group["lr"] = lr * max(scale, 0.05)
+        batch = [data[gen.randrange(len(data))] for _ in range(batch_size)]
+        width = max(len(p) + len(t) for p, t in batch)
+        ids = torch.full((batch_size, width), pad_id, dtype=torch.long)
+        labels = torch.full((batch_size, width), -100, dtype=torch.long)
+        for b, (p, t) in enumerate(batch):
+            ids[b, : len(p) + len(t)] = torch.tensor(p + t)
+            labels[b, len(p) : len(p) + len(t)] = torch.tensor(t)
+        logits = model(ids)[:, :-1]
+        loss = F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100
+        )
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(float(loss.detach()))
+    model.eval()
+    return losses
+
+
+# ----------------------------------------------------------------------------------------------------
+# Build, cache, CLI
+# ----------------------------------------------------------------------------------------------------
+
+ROLES = ("policy", "genrm")
+FORMAT_VERSION = 2  # bump when data construction changes, so cached models are rebuilt
+
+
+@dataclass
+class BootstrapResult:
+    policy_dir: Path
+    judge_dir: Path
+    seconds: float
+    built: list[str]  # which roles were trained now (empty: both came from the cache)
+    stats: dict[str, Any]
+
+
+def _settings(cfg: PipelineConfig, role: str) -> dict[str, Any]:
+    sft = cfg.train.sft if role == "policy" else cfg.reward.sft
+    return {
+        "format": FORMAT_VERSION,
+        "role": role,
+        "task": cfg.task.name,
+        "options": cfg.task.options,
+        "sft": sft.model_dump(),
+        "template": JudgeTemplate().__dict__ if role == "genrm" else None,
+    }
+
+
+def model_dir(cfg: PipelineConfig, role: str) -> Path:
+    """``<storage_root>/models/<name>-<hash of every setting that shapes the weights>``."""
+    settings = _settings(cfg, role)
+    key = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:10]
+    name = cfg.models.policy.name if role == "policy" else cfg.models.genrm.name
+    return Path(cfg.run.storage_root) / "models" / f"{name}-{key}"
+
+
+def _data_seed(sft: SFTConfig, role: str) -> int:
+    return int(hashlib.blake2b(f"{role}:{sft.seed}".encode(), digest_size=4).hexdigest(), 16)
+
+
+def train_role(cfg: PipelineConfig, role: str, out_dir: str | Path, threads: int = 1) -> dict[str, Any]:
+    """Train one bootstrap model from scratch and save it (HF format, version 0) to ``out_dir``."""
+    from pivotrl.engines.models import build_tokenizer, save_hf
+
+    torch.set_num_threads(threads)
+    t0 = time.perf_counter()
+    sft_cfg = cfg.train.sft if role == "policy" else cfg.reward.sft
+    task = get_task(cfg.task.name, cfg.task.options)
+    tokenizer = build_tokenizer()
+    problems = task.sample(sft_cfg.examples, seed=_data_seed(sft_cfg, role))
+    if role == "policy":
+        if sft_cfg.sloppy > 0 and cfg.task.name != "sort":
+            raise UserError("train.sft.sloppy: the sloppy teacher is defined for the sort task only")
+        pairs = policy_pairs(problems, sft_cfg.sloppy, seed=_data_seed(sft_cfg, role))
+    else:
+        pairs, _ = judge_pairs(task, problems, JudgeTemplate(), seed=_data_seed(sft_cfg, role))
+    config = build_config(sft_cfg)
+    torch.manual_seed(sft_cfg.seed)
+    model = new_model(config, sft_cfg.seed)
+    losses = sft(
+        model,
+        encode_pairs(tokenizer, pairs),
+        steps=sft_cfg.steps,
+        batch_size=sft_cfg.batch_size,
+        lr=sft_cfg.lr,
+        seed=sft_cfg.seed,
+        pad_id=tokenizer.pad_token_id,
+    )
+    out = Path(out_dir)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_hf(model.state_dict(), config, tokenizer, tmp)
+    stats = {
+        "role": role,
+        "seconds": time.perf_counter() - t0,
+        "final_loss": sum(losses[-20:]) / max(len(losses[-20:]), 1),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "steps": sft_cfg.steps,
+    }
+    (tmp / "bootstrap.json").write_text(json.dumps({"version": 0, "settings": _settings(cfg, role), **stats}))
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.replace(out)
+    return stats
+
+
+def _train_role_entry(args: tuple[dict[str, Any], str, str]) -> dict[str, Any]:
+    cfg_data, role, out = args
+    return train_role(PipelineConfig.model_validate(cfg_data), role, out, threads=1)
+
+
+def ensure_bootstrap(
+    cfg: PipelineConfig, *, force: bool = False, parallel: bool = True, log=print
+) -> BootstrapResult:
+    """Return the cached version-0 policy and judge, training whichever is missing.
+
+    With ``parallel`` the two models train at once in two processes of one thread each: the bootstrap is
+    two independent jobs, and this is how it uses both cores of a small machine.
+    """
+    t0 = time.perf_counter()
+    dirs = {role: model_dir(cfg, role) for role in ROLES}
+    todo = [r for r in ROLES if force or not (dirs[r] / "bootstrap.json").is_file()]
+    stats: dict[str, Any] = {}
+    if todo:
+        log(f"bootstrap: training {', '.join(todo)} (cache: {dirs[todo[0]].parent})")
+        jobs = [(cfg.model_dump(), r, str(dirs[r])) for r in todo]
+        if parallel and len(jobs) > 1:
+            import multiprocessing as mp
+
+            with mp.get_context("spawn").Pool(len(jobs)) as pool:
+                results = pool.map(_train_role_entry, jobs)
+        else:
+            results = [_train_role_entry(j) for j in jobs]
+        for r in results:
+            stats[r["role"]] = r
+            log(
+                f"bootstrap: {r['role']}: {r['parameters'] / 1e6:.2f}M params, {r['steps']} steps, "
+                f"loss {r['final_loss']:.3f}, {r['seconds']:.0f}s"
+            )
+    for role in ROLES:
+        if role not in stats:
+            stats[role] = json.loads((dirs[role] / "bootstrap.json").read_text())
+    return BootstrapResult(dirs["policy"], dirs["genrm"], time.perf_counter() - t0, todo, stats)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "config", help="pipeline YAML (task, models, train.sft, reward.sft, run.storage_root)"
+    )
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config field, e.g. reward.sft.steps=600 (repeatable)",
+    )
+    parser.add_argument("--force", action="store_true", help="retrain even when a cached model exists")
+    parser.add_argument("--serial", action="store_true", help="train the two models one after the other")
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, PipelineConfig, args.overrides)
+    res = ensure_bootstrap(cfg, force=args.force, parallel=not args.serial)
+    print(f"policy (version 0): {res.policy_dir}")
+    print(f"genrm  (version 0): {res.judge_dir}")
+    print(f"bootstrap took {res.seconds:.1f}s" + ("" if res.built else " (cached)"))
+    return 0

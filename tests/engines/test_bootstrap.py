@@ -1,0 +1,137 @@
+"""Bootstrap: synthetic judgments from the verifier, determinism, caching, the CLI."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from pivotrl.cli import main
+from pivotrl.config import PipelineConfig, load_config
+from pivotrl.engines import bootstrap as bs
+from pivotrl.engines.genrm import JudgeTemplate, parse_verdict
+from pivotrl.engines.models import load_state_dict
+from pivotrl.tasks import get_task
+
+TINY = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+}
+
+
+def tiny_cfg(root, **over) -> PipelineConfig:
+    sets = [
+        f"run.storage_root={root}",
+        "train.sft.steps=3",
+        "reward.sft.steps=3",
+        "train.sft.examples=50",
+        "reward.sft.examples=50",
+        "train.sft.batch_size=4",
+        "reward.sft.batch_size=4",
+    ]
+    sets += [f"{k}={v}" for k, v in over.items()]
+    cfg = load_config(None, PipelineConfig, sets)
+    cfg.train.sft.shape = dict(TINY)
+    cfg.reward.sft.shape = dict(TINY)
+    return cfg
+
+
+def test_corruptions_are_always_wrong():
+    task = get_task("sort", {"max_size": 10})
+    rng = random.Random(0)
+    for p in task.sample(300, seed=3):
+        bad = bs.corrupt_answer(p.answer, rng)
+        assert not task.verify(p, bad), (p.prompt, bad)
+
+
+def test_sloppy_teacher_drops_repeats_only():
+    assert bs.sloppy_answer("1 3 3 9 9") == "1 3 9"
+    assert bs.sloppy_answer("0 1 2") == "0 1 2"
+    task = get_task("sort", {"max_size": 10})
+    problems = task.sample(200, seed=1)
+    pairs = bs.policy_pairs(problems, sloppy=1.0)
+    assert all(pair.target == bs.sloppy_answer(p.answer) for pair, p in zip(pairs, problems, strict=True))
+    assert [pair.target for pair in bs.policy_pairs(problems)] == [p.answer for p in problems]
+
+
+def test_judge_pairs_are_labelled_by_the_verifier():
+    task = get_task("sort", {"max_size": 10})
+    problems = task.sample(400, seed=2)
+    template = JudgeTemplate()
+    pairs, labels = bs.judge_pairs(task, problems, template, seed=0)
+    assert 0.4 < sum(labels) / len(labels) < 0.6
+    for pair, label, p in zip(pairs, labels, problems, strict=True):
+        assert pair.prompt.startswith(p.prompt) and pair.prompt.endswith("\n")
+        response = " ".join(w[1:] for w in pair.prompt[len(p.prompt) : -1].split())  # drop the item tags
+        assert task.verify(p, response) == label
+        assert parse_verdict(pair.target) == float(label)
+        assert ("x" not in pair.target.split(" verdict")[0]) == label  # the critique agrees with the verdict
+        assert [w[1:-1] for w in pair.target.split(" verdict")[0].split()] == [*p.answer.split(), "-"]
+
+
+def test_bootstrap_is_deterministic_and_cached(tmp_path):
+    cfg = tiny_cfg(tmp_path / "a")
+    first = bs.ensure_bootstrap(cfg, parallel=False, log=lambda *_: None)
+    assert first.built == ["policy", "genrm"]
+    assert (first.policy_dir / "config.json").is_file() and (first.judge_dir / "model.safetensors").is_file()
+    again = bs.ensure_bootstrap(cfg, parallel=False, log=lambda *_: None)
+    assert again.built == [] and again.policy_dir == first.policy_dir
+    other = bs.ensure_bootstrap(tiny_cfg(tmp_path / "b"), parallel=False, log=lambda *_: None)
+    for a, b in [(first.policy_dir, other.policy_dir), (first.judge_dir, other.judge_dir)]:
+        sa, sb = load_state_dict(a), load_state_dict(b)
+        assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    changed = tiny_cfg(tmp_path / "a", **{"reward.sft.steps": 4})
+    assert bs.model_dir(changed, "genrm") != first.judge_dir  # a changed setting never reuses a stale model
+    assert bs.model_dir(changed, "policy") == first.policy_dir
+
+
+def test_sft_learns(tmp_path):
+    """A few dozen steps on a fixed tiny set bring the loss well down (the SFT code actually trains)."""
+    from pivotrl.engines.models import build_tokenizer
+
+    tok = build_tokenizer()
+    task = get_task("sort", {"max_size": 3})
+    data = bs.encode_pairs(tok, bs.policy_pairs(task.sample(8, seed=0)))
+    cfg = tiny_cfg(tmp_path)
+    model = bs.new_model(bs.build_config(cfg.train.sft), seed=0)
+    losses = bs.sft(model, data, steps=60, batch_size=8, lr=1e-2, seed=0, pad_id=tok.pad_token_id, warmup=5)
+    assert losses[-1] < 0.5 * losses[0]
+
+
+def test_cli_bad_config_is_one_line_exit_2(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train:\n  sft:\n    steps: -3\n")
+    assert main(["bootstrap", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "train.sft.steps" in err and len(err.strip().splitlines()) == 1
+
+
+def test_cli_builds_and_reports(tmp_path, capsys):
+    cfg = tmp_path / "c.yaml"
+    shape = (
+        "{hidden_size: 32, intermediate_size: 64, num_hidden_layers: 1, num_attention_heads: 2, "
+        "num_key_value_heads: 1}"
+    )
+    cfg.write_text(
+        f"run: {{storage_root: {tmp_path / 's'}}}\n"
+        f"train: {{sft: {{steps: 2, examples: 20, batch_size: 2, shape: {shape}}}}}\n"
+        f"reward: {{sft: {{steps: 2, examples: 20, batch_size: 2, shape: {shape}}}}}\n"
+    )
+    assert main(["bootstrap", str(cfg), "--serial"]) == 0
+    out = capsys.readouterr().out
+    assert "policy (version 0)" in out and "genrm  (version 0)" in out
+    assert main(["bootstrap", str(cfg)]) == 0
+    assert "(cached)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("bad", ["task.name=sum"])
+def test_sloppy_needs_sort(tmp_path, bad):
+    from pivotrl.errors import UserError
+
+    cfg = tiny_cfg(tmp_path, **{"train.sft.sloppy": 0.5, bad.split("=")[0]: bad.split("=")[1]})
+    with pytest.raises(UserError, match="sloppy"):
+        bs.train_role(cfg, "policy", tmp_path / "p")
