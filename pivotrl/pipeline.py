@@ -26,7 +26,6 @@ A user adds a stage by subclassing `Stage` and inserting it in the list, e.g.::
 from __future__ import annotations
 
 import time
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +41,8 @@ class Sample:
     problem: Problem
     prompt_ids: list[int]
     seed: int = 0
+    index: int = 0  # position in its group
+    judge_seed: int = 0
     response_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str = ""
@@ -65,7 +66,8 @@ class StageContext:
         return list(self.tokenizer(text)["input_ids"])
 
     def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        eos = self.tokenizer.eos_token_id
+        return self.tokenizer.decode([i for i in ids if i != eos], skip_special_tokens=True)
 
 
 class Stage:
@@ -87,13 +89,16 @@ class Stage:
         raise NotImplementedError
 
 
-def sampling_payload(sampling: Any, seed: int) -> dict[str, Any]:
-    return {
+def sampling_payload(sampling: Any, seed: int, eos_id: int | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {
         "temperature": float(sampling.temperature),
         "top_p": float(sampling.top_p),
         "max_new_tokens": int(sampling.max_new_tokens),
         "seed": int(seed),
     }
+    if eos_id is not None:
+        out["stop_ids"] = [int(eos_id)]
+    return out
 
 
 class RolloutStage(Stage):
@@ -109,7 +114,7 @@ class RolloutStage(Stage):
         return {
             "payload": {
                 "prompt_ids": sample.prompt_ids,
-                "sampling": sampling_payload(s, sample.seed),
+                "sampling": sampling_payload(s, sample.seed, ctx.tokenizer.eos_token_id),
                 "version": ctx.policy_version,
             },
             "prompt_tokens": len(sample.prompt_ids),
@@ -141,7 +146,10 @@ class GenRMRewardStage(Stage):
         ids = ctx.encode(self.template.prompt(sample.problem.prompt, sample.response_text))
         s = ctx.cfg.reward.sampling
         return {
-            "payload": {"prompt_ids": ids, "sampling": sampling_payload(s, sample.seed)},
+            "payload": {
+                "prompt_ids": ids,
+                "sampling": sampling_payload(s, sample.judge_seed, ctx.tokenizer.eos_token_id),
+            },
             "prompt_tokens": len(ids),
             "max_new_tokens": s.max_new_tokens,
             "est_tokens": self.expected_tokens or s.max_new_tokens // 2,
@@ -194,7 +202,9 @@ class TrainStage(Stage):
 
     name, role = "train", "train"
 
-    def request(self, sample: Sample, ctx: StageContext) -> dict[str, Any]:
+    def request(self, sample: Sample, ctx: StageContext) -> dict[str, Any] | None:
+        if not sample.response_ids:  # nothing to learn from (as in the single-process loop)
+            return None
         n = len(sample.prompt_ids) + len(sample.response_ids)
         return {
             "payload": {
@@ -215,10 +225,6 @@ class TrainStage(Stage):
 
 def default_stages() -> list[Stage]:
     return [RolloutStage(), GenRMRewardStage(), AdvantageStage(), TrainStage()]
-
-
-def sample_seed(run_seed: int, uid: str) -> int:
-    return zlib.crc32(f"{run_seed}:{uid}".encode()) & 0x7FFFFFFF
 
 
 @dataclass
@@ -257,13 +263,33 @@ class Pipeline:
     def make_samples(
         self, iteration: int, problems: list[Problem], group_size: int, run_seed: int
     ) -> list[Sample]:
+        """G samples per prompt, seeded exactly as the single-process loop (pivotrl.loop) seeds them, so a
+        distributed run samples the same tokens."""
+        from pivotrl.loop import seq_seed
+
         out = []
-        for k, prob in enumerate(problems):
+        seen: dict[str, int] = {}
+        for prob in problems:
             ids = self.ctx.encode(prob.prompt)
-            group = f"i{iteration}-p{k}"
-            for j in range(group_size):
-                uid = f"{group}-g{j}"
-                out.append(Sample(uid, iteration, group, prob, ids, seed=sample_seed(run_seed, uid)))
+            group = f"{iteration}:{prob.uid}"
+            seen[group] = seen.get(group, 0) + 1
+            if seen[group] > 1:  # the same problem drawn twice: a group of its own
+                group = f"{group}#{seen[group]}"
+            for k in range(group_size):
+                seed = seq_seed("rollout", run_seed, iteration, prob.uid, k)
+                judge_seed = seq_seed("judge", run_seed, group, k)
+                out.append(
+                    Sample(
+                        f"r{group}:{k}",
+                        iteration,
+                        group,
+                        prob,
+                        ids,
+                        seed=seed,
+                        index=k,
+                        judge_seed=judge_seed,
+                    )
+                )
         return out
 
     def run_iteration(
@@ -279,6 +305,7 @@ class Pipeline:
         stage_last: dict[str, float] = {}
         grads: list[dict[str, Any]] = []
         trained: set[str] = set()
+        skipped: set[str] = set()  # samples the train stage does not take (e.g. empty responses)
         submit_buf: list[dict[str, Any]] = []
         n_train_submitted = 0
         train_idx = len(self.stages) - 1
@@ -290,6 +317,12 @@ class Pipeline:
                 at[sample.uid] = idx
                 if stage.role is not None:
                     req = stage.request(sample, self.ctx)
+                    if req is None:  # this sample skips the stage
+                        if idx == train_idx:
+                            skipped.add(sample.uid)
+                            return
+                        idx += 1
+                        continue
                     submit_buf.append(
                         {
                             "id": f"{sample.uid}/{stage.name}",
@@ -322,11 +355,11 @@ class Pipeline:
         for s in samples:
             enter(s, 0)
         flushed = False
-        while len(trained) < len(samples):
+        while len(trained) + len(skipped) < len(samples):
             if submit_buf:
                 self.session.submit(submit_buf)
                 submit_buf = []
-            if n_train_submitted == len(samples) and not flushed:
+            if n_train_submitted + len(skipped) == len(samples) and not flushed:
                 self.session.flush(iteration)
                 flushed = True
             out = self.session.collect()
@@ -351,6 +384,6 @@ class Pipeline:
                 enter(sample, idx + 1)
             if on_poll is not None:
                 on_poll(out)
-            if len(trained) < len(samples) and not out["results"]:
+            if len(trained) + len(skipped) < len(samples) and not out["results"]:
                 time.sleep(self.poll_s)
         return IterationResult(iteration, samples, grads, time.monotonic() - t0, stage_last)

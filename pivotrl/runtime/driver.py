@@ -56,9 +56,9 @@ def resolve_models(cfg: PipelineConfig, log: Callable[[str], None]) -> dict[str,
             from pivotrl.engines import bootstrap
         except ImportError as exc:
             raise UserError("models: no path given and the bootstrap module is unavailable") from exc
-        built = bootstrap.ensure_models(cfg)  # cached under storage; returns {"policy": dir, "genrm": dir}
-        for key in ("policy", "genrm"):
-            paths.setdefault(key, Path(built[key]))
+        built = bootstrap.ensure_bootstrap(cfg, log=log)  # cached under storage/models
+        paths.setdefault("policy", Path(built.policy_dir))
+        paths.setdefault("genrm", Path(built.judge_dir))
         log(f"bootstrap: policy {paths['policy']}, judge {paths['genrm']} ({time.monotonic() - t0:.1f}s)")
     return paths
 
@@ -185,6 +185,9 @@ class Owner:
     def apply(self, grads: list[dict[str, Any]], iteration: int) -> int:
         from pivotrl.engines.trainer import GradSum, reduce
 
+        if not grads:  # no sample of the iteration had a response to learn from
+            self.last_stats = {"skipped": 1.0}
+            return self.trainer.version
         sums = []
         for g in grads:
             ref = g["ref"]
@@ -261,6 +264,7 @@ def evaluate(
                         "top_p": 1.0,
                         "max_new_tokens": int(s.max_new_tokens),
                         "seed": seed,
+                        "stop_ids": [int(ctx.tokenizer.eos_token_id)],
                     },
                 },
                 "prompt_tokens": len(ids),
@@ -301,6 +305,7 @@ def run_pipeline(
     from transformers import AutoTokenizer
 
     from pivotrl.gps import ParameterStore
+    from pivotrl.loop import held_out_problems, train_problems
     from pivotrl.pipeline import Pipeline, StageContext, default_stages
     from pivotrl.runtime.cluster import open_cluster
     from pivotrl.runtime.metrics import IterationMeter, write_metrics
@@ -366,7 +371,7 @@ def run_pipeline(
                 f"{cfg.task.prompts_per_iteration}×{cfg.task.group_size} samples/iteration"
             )
             pipeline = Pipeline(stages or default_stages(), ctx, session, owner.apply)
-            eval_problems = task.sample(cfg.task.eval_prompts, seed=cfg.run.seed + 1_000_003)
+            eval_problems = held_out_problems(task, cfg.task.eval_prompts)
             if evaluate_policy and eval_problems:
                 acc0 = evaluate(session, ctx, eval_problems, 0, "v0", cfg.run.seed)
                 result.eval["accuracy_before"] = acc0
@@ -374,7 +379,7 @@ def run_pipeline(
             meter = IterationMeter(session, log)
             bar = _progress_bar(cfg.run.iterations, progress)
             for it in range(cfg.run.iterations):
-                problems = task.sample(cfg.task.prompts_per_iteration, seed=cfg.run.seed * 7919 + it)
+                problems = train_problems(task, cfg.task.prompts_per_iteration, cfg.run.seed, it)
                 samples = pipeline.make_samples(it, problems, cfg.task.group_size, cfg.run.seed)
                 session.begin_iteration(meter.iteration_plan(it, samples, cfg))
                 meter.start(it)
