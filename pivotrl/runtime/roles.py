@@ -22,13 +22,28 @@ import torch
 
 
 def _build_model(spec: dict[str, Any], device: str, state: dict[str, torch.Tensor]) -> Any:
-    from pivotrl.engines.model import CausalLM
+    """The model with `state` loaded, built without a random initialisation (most of a shift's load time
+    for a small model on CPU would otherwise go to initialising weights that are overwritten at once)."""
+    from pivotrl.engines import model as compact
     from pivotrl.engines.models import load_config
 
     dtype = getattr(torch, spec.get("dtype", "float32"))
-    model = CausalLM.from_config(load_config(spec["hf_dir"]), device=device, dtype=dtype)
-    model.load_state_dict(state)
-    return model
+    config = load_config(spec["hf_dir"])
+    try:
+        with torch.device("meta"):
+            model = compact.CausalLM(config)
+        model = model.to_empty(device=device).to(dtype)
+        if getattr(config, "tie_word_embeddings", False):  # to_empty unties shared parameters
+            model.lm_head.weight = model.model.embed_tokens.weight
+        d = compact._head_dim(config)  # the one non-persistent buffer: recomputed as the module does
+        inv = 1.0 / (compact._rope_theta(config) ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+        model.inv_freq = inv.to(device)
+        model.load_state_dict(state)
+        return model
+    except (AttributeError, RuntimeError, TypeError):
+        model = compact.CausalLM.from_config(config, device=device, dtype=dtype)
+        model.load_state_dict(state)
+        return model
 
 
 class _Weights:
