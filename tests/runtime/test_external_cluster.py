@@ -48,8 +48,22 @@ def cli_cluster(tmp_path):
         for name in ("0", "1"):
             procs.append(
                 subprocess.Popen(
-                    [dask, "worker", addr, "--nthreads", "1", "--nworkers", "1", "--name", name,
-                     "--resources", "device=1", "--no-dashboard", "--host", "127.0.0.1"],
+                    [
+                        dask,
+                        "worker",
+                        addr,
+                        "--nthreads",
+                        "1",
+                        "--nworkers",
+                        "1",
+                        "--name",
+                        name,
+                        "--resources",
+                        "device=1",
+                        "--no-dashboard",
+                        "--host",
+                        "127.0.0.1",
+                    ],
                     env=env,
                     cwd=tmp_path,
                     stdout=subprocess.DEVNULL,
@@ -71,8 +85,12 @@ def cli_cluster(tmp_path):
 def test_runs_on_a_cluster_started_with_the_dask_cli(cli_cluster):
     with open_cluster(scheduler=cli_cluster, workers=2, timeout_s=60) as handle:
         assert handle.cluster is None  # not ours: never closed by us
-        sess = RuntimeSession.install(handle.client, control=ManualControl(["rollout", "reward"]),
-                                      role_specs=specs(), worker_options={"pin_cores": False})
+        sess = RuntimeSession.install(
+            handle.client,
+            control=ManualControl(["rollout", "reward"]),
+            role_specs=specs(),
+            worker_options={"pin_cores": False},
+        )
         st = sess.wait_ready(2, timeout_s=60)
         names = {w["name"]: a for a, w in st["workers"].items()}
         sess.submit([{"id": f"x{i}", "role": "rollout", "payload": {"target_len": 6}} for i in range(8)])
@@ -85,8 +103,9 @@ def test_runs_on_a_cluster_started_with_the_dask_cli(cli_cluster):
 def test_unreachable_scheduler_is_a_user_error():
     from pivotrl.errors import UserError
 
-    with pytest.raises(UserError, match="cannot connect"), open_cluster(
-        scheduler=f"tcp://127.0.0.1:{free_port()}", timeout_s=2
+    with (
+        pytest.raises(UserError, match="cannot connect"),
+        open_cluster(scheduler=f"tcp://127.0.0.1:{free_port()}", timeout_s=2),
     ):
         pass
     with pytest.raises(UserError, match="expected an address"), open_cluster(scheduler="localhost:1"):
@@ -98,8 +117,13 @@ def test_submit_bad_input_exits_2_with_one_line(tmp_path):
     bad.write_text("train: {lr: -1}\n")
     for args in ([str(bad)], [str(tmp_path / "missing.yaml")], [str(bad), "--set", "nonsense"]):
         t0 = time.monotonic()
-        p = subprocess.run([sys.executable, "-m", "pivotrl.cli", "submit", *args], cwd=ROOT,
-                           capture_output=True, text=True, timeout=60)
+        p = subprocess.run(
+            [sys.executable, "-m", "pivotrl.cli", "submit", *args],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert p.returncode == 2, p.stderr
         assert len(p.stderr.strip().splitlines()) == 1, p.stderr
         assert time.monotonic() - t0 < 30

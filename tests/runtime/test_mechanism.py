@@ -45,7 +45,7 @@ def wait_results(sess: RuntimeSession, want: set[str], timeout_s: float = 30.0) 
 
 @pytest.fixture(scope="module")
 def cluster():
-    with open_cluster(workers=2, dashboard_address=None) as handle:
+    with open_cluster(workers=2, dashboard_address=":0") as handle:
         yield handle
 
 
@@ -164,3 +164,27 @@ def test_core_controller_drives_a_stream_with_shifts(cluster):
     shifts = [e for e in ev if e["kind"] == "shift_done"]
     assert any(e["role"] == "reward" for e in shifts), shifts
     assert any(e["kind"] == "decision" and e["id"].startswith("core-") for e in ev)
+
+
+def test_dashboard_page_renders_roles_queues_and_shifts(cluster):
+    import urllib.request
+
+    from pivotrl.runtime.dashboard import register_dashboard, render
+
+    sess = RuntimeSession.install(
+        cluster.client, control=ManualControl(["rollout", "reward"]), role_specs=specs(), sample_s=0.05
+    )
+    st = sess.wait_ready(2)
+    sess.submit(gen_items("d", 4, 20))
+    wait_results(sess, {f"d{i}" for i in range(4)})
+    sess.shift(next(iter(st["workers"])), "train")
+    time.sleep(0.3)
+    m = sess.metrics()
+    html = render(m["timeline"], m["events"])
+    assert "role of each device" in html and "waiting sequences per role" in html and "fetch" in html
+    assert register_dashboard(cluster.client) == "ok"
+    link = cluster.dashboard_link
+    assert link
+    if link:
+        page = urllib.request.urlopen(link.replace("/status", "/pivotrl"), timeout=10).read().decode()
+        assert "tokens/s per role" in page
