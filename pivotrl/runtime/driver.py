@@ -68,6 +68,19 @@ def resolve_models(cfg: PipelineConfig, log: Callable[[str], None]) -> dict[str,
 # ----------------------------------------------------------------------------------------------------
 
 
+def load_tokenizer(model_dir: Path) -> Any:
+    """The policy's tokenizer. Models made here use pivotrl's character tokenizer, rebuilt in code: its
+    tokenizer.json does not round-trip through `AutoTokenizer` (spaces and newlines are lost), which would
+    silently corrupt every prompt. Real checkpoints load with `AutoTokenizer`."""
+    from transformers import AutoTokenizer
+
+    from pivotrl.engines.models import build_tokenizer, load_config, vocab_size
+
+    if int(getattr(load_config(model_dir), "vocab_size", -1)) == vocab_size():
+        return build_tokenizer()
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
 def worker_role_specs(cfg: PipelineConfig, paths: dict[str, Path], run_id: str) -> dict[str, dict[str, Any]]:
     from pivotrl.engines.models import PAD_ID
 
@@ -302,8 +315,6 @@ def run_pipeline(
 ) -> RunResult:
     """Run `cfg` end to end (see the module docstring). `control` overrides the controller that `mode`
     selects (benchmarks pass grouped static splits this way)."""
-    from transformers import AutoTokenizer
-
     from pivotrl.gps import ParameterStore
     from pivotrl.loop import held_out_problems, train_problems
     from pivotrl.pipeline import Pipeline, StageContext, default_stages
@@ -319,7 +330,7 @@ def run_pipeline(
     run_dir.mkdir(parents=True, exist_ok=True)
     paths = resolve_models(cfg, log)
     task = get_task(cfg.task.name, cfg.task.options)
-    tokenizer = AutoTokenizer.from_pretrained(str(paths["policy"]))
+    tokenizer = load_tokenizer(paths["policy"])
     ctx = StageContext(tokenizer=tokenizer, task=task, cfg=cfg)
     result = RunResult(run_id, run_dir)
 
