@@ -7,8 +7,9 @@ three roles, every sequence placed by the real dispatcher), then times
 * one planning decision (`planner.plan`: the five steps, DP included), median of repeats;
 * one shift-down plus shift-up migration (the most loaded rollout replica leaves — Abort, requeue, Dispatch
   to the other rollout replicas — and its device joins reward as a new replica — the queue is empty, so
-  it is fed by aborting from the most loaded reward replicas), median of repeats, each on a freshly built
-  cluster.
+  it is fed by aborting from the most loaded reward replicas), median of repeats (each moves another
+  device of the same cluster).
+Garbage collection is paused inside the timed sections (as `timeit` does).
 It fits log t = α·log NSeq + β·log I + c by least squares for each, and reports the worse (larger) slope
 of the two as `exp_nseq` / `exp_replicas` (targets ≤ 1.15 / ≤ 1.3) and `plan_ms_I1024_N128k` (≤ 50 ms).
 """
@@ -16,6 +17,7 @@ of the two as `exp_nseq` / `exp_replicas` (targets ≤ 1.15 / ≤ 1.3) and `plan
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import random
@@ -88,9 +90,12 @@ def time_plan(st: ClusterState, costs: ShiftCostModel, repeats: int) -> tuple[fl
     times = []
     res = None
     for _ in range(repeats):
+        gc.collect()
+        gc.disable()
         t0 = time.perf_counter()
         res = plan(st, costs, 100.0)
         times.append(time.perf_counter() - t0)
+        gc.enable()
     assert res is not None
     chosen = res.chosen
     info = {"candidates": len(res.reasoning.candidates),
@@ -100,17 +105,22 @@ def time_plan(st: ClusterState, costs: ShiftCostModel, repeats: int) -> tuple[fl
 
 
 def time_migration(n_replicas: int, n_seqs: int, repeats: int) -> tuple[float, dict]:
+    """Each repeat migrates a different device of the same cluster (the most loaded rollout replica
+    leaves, its device joins reward), so one build serves every repeat."""
     times = []
     info: dict = {}
-    for rep_i in range(repeats):
-        st, _ = build(n_replicas, n_seqs, seed=rep_i, reward_room=1.5)
-        donor = max(st.active(Role.ROLLOUT), key=lambda r: r.n)
+    st, _ = build(n_replicas, n_seqs, seed=1, reward_room=1.5)
+    for _ in range(repeats):
+        donor = max(st.active(Role.ROLLOUT), key=lambda r: (r.n, r.replica_id))
         device = donor.devices[0]
+        gc.collect()
+        gc.disable()  # a collection of the whole cluster's objects would land in one repeat at random
         t0 = time.perf_counter()
         aborts_down, placed_down = shift_down(st, [donor.replica_id])            # Abort → requeue → Dispatch
         new = st.new_replica(Role.REWARD, (device,), 100.0, ReplicaState.ACTIVE)
         aborts_up, _ = shift_up(st, Role.REWARD, [new.replica_id])               # Dispatch, then rebalance
         times.append(time.perf_counter() - t0)
+        gc.enable()
         info = {"aborted_down": sum(map(len, aborts_down.values())), "placed_down": len(placed_down),
                 "aborted_up": sum(map(len, aborts_up.values())), "newcomer_load": new.n}
     return statistics.median(times) * 1e3, info

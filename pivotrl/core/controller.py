@@ -131,7 +131,7 @@ class Controller:
         timings = dict(phase_timings) if phase_timings else {"total": max(now - started, 0.0)}
         for from_role in {m.from_role for m in moves} or {None}:
             self.shift_costs.observe(from_role, rep.role, timings)
-        rep.state = ReplicaState.ACTIVE
+        self.state.activate(rep)
         for d in rep.devices:
             self.state.device_shifted_at[d] = now
         aborts, assignments = dispatcher.shift_up(self.state, rep.role, [replica_id])

@@ -11,9 +11,9 @@ case (every sequence of the role re-placed), O(NSeq_j · log I) typically.
 Shift-up (replicas join a role): Dispatch waiting work first (the newcomers have the largest marginal gain,
 f(1) − f(0)); if the queue runs dry while they sit below their share, move sequences one at a time from the
 replica that loses least (the most loaded) to the newcomer that gains most, while that pays — Abort on the
-donor, Dispatch to the newcomer; the moved sequences are the donors' shortest-context ones, cheapest to
-prefill again. O(I log I) to build the heaps, O(log I) per moved sequence, plus sorting the touched donors'
-sequences: within the paper's O(I·NSeq + I log I).
+donor, Dispatch to the newcomer; each moved sequence is the shortest-context one among the donor's most
+recently started (cheap to prefill again). O(I log I) to build the heaps and O(log I) per moved sequence:
+within the paper's O(I·NSeq + I log I).
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ def dispatch_role(state: ClusterState, role: Role) -> list[Assignment]:
     sequences are never starved by smaller fresh ones.
     """
     queue = state.queues[role]
-    if not len(queue):
-        return []
+    if not len(queue) or state.blocked[role]:
+        return []  # nothing waits, or nothing changed since the head last found no room
     heap: list[tuple[float, int, Replica]] = []
     for idx, rep in enumerate(state.active(role)):
         if rep.n < rep.max_seqs:
@@ -43,11 +43,12 @@ def dispatch_role(state: ClusterState, role: Role) -> list[Assignment]:
         seq = queue.peek()
         if seq is None:
             break
+        need = state.kv_need(seq)
         skipped: list[tuple[float, int, Replica]] = []
         chosen: tuple[float, int, Replica] | None = None
         while heap:
             item = heapq.heappop(heap)
-            if item[2].fits(seq):
+            if item[2].fits(need):
                 chosen = item
                 break
             skipped.append(item)
@@ -61,6 +62,8 @@ def dispatch_role(state: ClusterState, role: Role) -> list[Assignment]:
         out.append(Assignment(seq.seq_id, rep.replica_id))
         if rep.n < rep.max_seqs:
             heapq.heappush(heap, (-rep.model.marginal_gain(rep.n), chosen[1], rep))
+    if len(queue):
+        state.blocked[role] = True
     return out
 
 
@@ -104,7 +107,8 @@ def shift_up(state: ClusterState, role: Role, newcomers: list[str]) -> tuple[dic
     Rebalancing is the exchange argument for separable concave throughput: move one sequence from the
     replica that loses least by giving it up (f_d(n_d) − f_d(n_d − 1), smallest = most loaded) to the
     newcomer that gains most (f_u(n_u + 1) − f_u(n_u)), while the gain exceeds the loss. Two heaps make each
-    move O(log I); the moved sequences are the donor's shortest-context ones (cheapest to prefill again).
+    move O(log I); each moved sequence is the shortest-context one among the donor's most recently started
+    (cheap to prefill again; `cheapest_recent`).
     """
     assignments = dispatch_role(state, role)
     if len(state.queues[role]):
@@ -114,46 +118,48 @@ def shift_up(state: ClusterState, role: Role, newcomers: list[str]) -> tuple[dic
     news = [r for r in reps if r.replica_id in new_ids]
     if not news:
         return {}, assignments
-    # Plan on counts first; sequences are aborted and re-placed once the plan is known.
-    count = {r.replica_id: r.n for r in reps}
     takers = [(-r.model.marginal_gain(r.n), i, r) for i, r in enumerate(news) if r.n < r.max_seqs]
     givers = [(r.model.marginal_gain(r.n - 1), i, r) for i, r in enumerate(reps)
               if r.replica_id not in new_ids and r.n > 0]
     heapq.heapify(takers)
     heapq.heapify(givers)
-    kv_room = {r.replica_id: r.kv_capacity - r.kv_used for r in news}
-    victims_of: dict[str, list[Sequence]] = {}
-    pairs: list[tuple[Sequence, Replica]] = []
     aborts: dict[str, list[str]] = {}
     while takers and givers:
         neg_gain, ti, taker = takers[0]
         loss, gi, giver = givers[0]
         if -neg_gain <= loss + 1e-12:
             break
-        stack = victims_of.get(giver.replica_id)
-        if stack is None:
-            stack = sorted(giver.running.values(), key=lambda s: (-s.context_tokens, s.seq_id))
-            victims_of[giver.replica_id] = stack
-        victim = stack[-1]
+        victim = cheapest_recent(giver)
         heapq.heappop(takers)
-        if victim.kv_tokens > kv_room[taker.replica_id]:
+        if not taker.fits(state.kv_need(victim)):
             continue  # this newcomer cannot hold it: it stops taking
-        stack.pop()
         heapq.heappop(givers)
+        state.move(victim, taker)  # Abort on the donor + Dispatch to the newcomer, without a queue trip
         aborts.setdefault(giver.replica_id, []).append(victim.seq_id)
-        pairs.append((victim, taker))
-        kv_room[taker.replica_id] -= victim.kv_tokens
-        count[giver.replica_id] -= 1
-        count[taker.replica_id] += 1
-        ct, cg = count[taker.replica_id], count[giver.replica_id]
-        if ct < taker.max_seqs:
-            heapq.heappush(takers, (-taker.model.marginal_gain(ct), ti, taker))
-        if cg > 0:
-            heapq.heappush(givers, (giver.model.marginal_gain(cg - 1), gi, giver))
-    queue = state.queues[role]
-    for victim, taker in pairs:
-        state.abort(victim)
-        queue.remove(victim.seq_id)
-        state.start(victim, taker)
         assignments.append(Assignment(victim.seq_id, taker.replica_id))
+        if taker.n < taker.max_seqs:
+            heapq.heappush(takers, (-taker.model.marginal_gain(taker.n), ti, taker))
+        if giver.n > 0:
+            heapq.heappush(givers, (giver.model.marginal_gain(giver.n - 1), gi, giver))
     return aborts, assignments
+
+
+#: How many of a donor's most recently started sequences are considered when choosing one to move.
+RECENT_WINDOW = 8
+
+
+def cheapest_recent(rep: Replica) -> Sequence:
+    """The shortest-context sequence among the `RECENT_WINDOW` most recently started on `rep`.
+
+    Recently started sequences have generated least since, so they are the cheap ones to prefill again;
+    looking at a fixed window keeps each move O(1) instead of scanning (or sorting) the whole replica.
+    """
+    best: Sequence | None = None
+    for i, sid in enumerate(reversed(rep.running)):
+        if i >= RECENT_WINDOW:
+            break
+        s = rep.running[sid]
+        if best is None or (s.context_tokens, s.seq_id) < (best.context_tokens, best.seq_id):
+            best = s
+    assert best is not None
+    return best

@@ -106,13 +106,17 @@ class Disaggregated(Policy):
 
     def __init__(self, split: Mapping[Role | str, int] | None = None) -> None:
         super().__init__(split)
+        self._default: tuple[tuple, dict[Role, int]] | None = None
 
     def plan(self, state: ClusterState, costs: ShiftCostModel, now: float) -> ShiftPlan | None:
         if not state.free_devices():
             return None
         split = self.initial_split
-        if split is None:
-            split = default_split(state)
+        if split is None:  # searched once per (cluster size, iteration plan), not every tick
+            key = (len(state.device_role), state.plan)
+            if self._default is None or self._default[0] != key:
+                self._default = (key, default_split(state))
+            split = self._default[1]
         return self._fill_split(state, split, "disaggregated:place")
 
 
@@ -182,20 +186,53 @@ def best_static_split(n_devices: int, devices_per_replica: Mapping[Role, int],
                       roles: tuple[Role, ...] = PIPELINE) -> dict[Role, int]:
     """The split (devices per role) with the lowest `cost` (e.g. `bottleneck_cost`, or a simulator run).
 
-    Exhaustive over splits where every device is used if possible (ties: prefer more devices in use, then
-    earlier roles). Raises ValueError if no role mix fits.
+    Exhaustive over every split while there are at most `EXHAUSTIVE_SPLITS` of them (ties: prefer more
+    devices in use, then earlier roles). Beyond that (hundreds of devices) it searches splits where the last
+    role takes every device left: a coarse grid, then every split within one grid step of the best.
+    Raises ValueError if no role mix fits.
     """
+    gs = [max(int(devices_per_replica.get(r, 1)), 1) for r in roles]
+    n_splits = math.prod(max(n_devices // g, 0) for g in gs)
     best: tuple[float, int, tuple[int, ...]] | None = None
     best_split: dict[Role, int] | None = None
-    for split in static_splits(n_devices, devices_per_replica, roles):
-        used = sum(split.values())
-        key = (cost(split), -used, tuple(-split[r] for r in roles))
+
+    def consider(split: dict[Role, int]) -> None:
+        nonlocal best, best_split
+        key = (cost(split), -sum(split.values()), tuple(-split[r] for r in roles))
         if best is None or key < best:
             best, best_split = key, split
+
+    if n_splits <= EXHAUSTIVE_SPLITS:
+        for split in static_splits(n_devices, devices_per_replica, roles):
+            consider(split)
+    else:
+        def fill(counts: tuple[int, ...]) -> dict[Role, int] | None:
+            used = sum(c * g for c, g in zip(counts, gs))
+            last = (n_devices - used) // gs[-1]
+            if any(c < 1 for c in counts) or last < 1:
+                return None
+            return {**{r: c * g for r, c, g in zip(roles, counts, gs)}, roles[-1]: last * gs[-1]}
+
+        steps = [max(1, (n_devices // g) // 40) for g in gs[:-1]]
+        for counts in itertools.product(*[range(1, n_devices // g + 1, s) for g, s in zip(gs, steps)]):
+            split = fill(counts)
+            if split is not None:
+                consider(split)
+        if best_split is not None:
+            center = [best_split[r] // g for r, g in zip(roles[:-1], gs)]
+            ranges = [range(max(1, c - s), c + s + 1) for c, s in zip(center, steps)]
+            for counts in itertools.product(*ranges):
+                split = fill(counts)
+                if split is not None:
+                    consider(split)
     if best_split is None:
         raise ValueError(f"{n_devices} device(s) cannot hold one replica of each role "
                          f"(devices per replica {dict(devices_per_replica)})")
     return best_split
+
+
+#: Above this many candidate splits, `best_static_split` searches a grid and refines instead.
+EXHAUSTIVE_SPLITS = 50_000
 
 
 def default_split(state: ClusterState) -> dict[Role, int]:

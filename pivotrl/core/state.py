@@ -40,6 +40,8 @@ class ClusterState:
         self.n_seqs: dict[Role, int] = dict.fromkeys(self.roles, 0)
         self.remaining: dict[Role, float] = dict.fromkeys(self.roles, 0.0)
         self.kv_sum: dict[Role, int] = dict.fromkeys(self.roles, 0)
+        # Dispatch found no room for the queue head; cleared by anything that could change that.
+        self.blocked: dict[Role, bool] = dict.fromkeys(self.roles, False)
         self.role_models: dict[Role, ThroughputModel] = {}
         for r in self.roles:
             spec = config.spec(r)
@@ -79,6 +81,8 @@ class ClusterState:
                       self.role_models[role].spawn(), state=state, created_at=now)
         self.replicas[rid] = rep
         self.by_role[role][rid] = rep
+        if state is ReplicaState.ACTIVE:
+            self.blocked[role] = False
         for d in devices:
             if self.device_role[d] != role:
                 self.device_shifted_at[d] = now
@@ -98,6 +102,14 @@ class ClusterState:
                 self.device_replica[d] = None
                 self.device_role[d] = None
         return rep
+
+    def activate(self, rep: Replica) -> None:
+        """A shifting replica finished loading: it may now receive work."""
+        rep.state = ReplicaState.ACTIVE
+        self.blocked[rep.role] = False
+
+    def kv_need(self, seq: Sequence) -> int:
+        return seq.kv_need(self.config.kv_reserve)
 
     def active(self, role: Role) -> list[Replica]:
         return [r for r in self.by_role[role].values() if r.state is ReplicaState.ACTIVE]
@@ -120,7 +132,7 @@ class ClusterState:
         r = seq.role
         self.n_seqs[r] += 1
         self.remaining[r] += seq.remaining_estimate()
-        self.kv_sum[r] += seq.kv_tokens
+        self.kv_sum[r] += self.kv_need(seq)
         self.submitted[r] += 1
         self._enqueue(seq)
 
@@ -136,15 +148,18 @@ class ClusterState:
         seq.state = SeqState.RUNNING
         seq.replica_id = rep.replica_id
         rep.running[seq.seq_id] = seq
-        rep.kv_used += seq.kv_tokens
+        seq.kv_reserved = self.kv_need(seq)
+        rep.kv_used += seq.kv_reserved
         rep.remaining += seq.remaining_estimate()
         rep.context += seq.context_tokens
 
     def _detach(self, seq: Sequence) -> Replica | None:
+        self.blocked[seq.role] = False  # room freed, or the queue head may change
         if seq.state is SeqState.RUNNING:
             rep = self.replicas[seq.replica_id]  # type: ignore[index]
             del rep.running[seq.seq_id]
-            rep.kv_used -= seq.kv_tokens
+            rep.kv_used -= seq.kv_reserved
+            seq.kv_reserved = 0
             rep.remaining -= seq.remaining_estimate()
             rep.context -= seq.context_tokens
             if not rep.running:
@@ -164,12 +179,32 @@ class ClusterState:
         seq.state = SeqState.WAITING
         self._enqueue(seq)
 
+    def move(self, seq: Sequence, dst: Replica) -> None:
+        """Abort `seq` on its replica and resume it on `dst` at once (a migration that skips the queue;
+        the caller has checked `dst` has room). Same bookkeeping as `abort` then `start`, done once."""
+        src = self.replicas[seq.replica_id]  # type: ignore[index]
+        rem, ctx, need = seq.remaining_estimate(), seq.context_tokens, self.kv_need(seq)
+        del src.running[seq.seq_id]
+        src.kv_used -= seq.kv_reserved
+        src.remaining -= rem
+        src.context -= ctx
+        if not src.running:
+            src.remaining = 0.0
+        self.blocked[seq.role] = False
+        seq.aborts += 1
+        seq.replica_id = dst.replica_id
+        seq.kv_reserved = need
+        dst.running[seq.seq_id] = seq
+        dst.kv_used += need
+        dst.remaining += rem
+        dst.context += ctx
+
     def finish(self, seq: Sequence, now: float) -> None:
         self._detach(seq)
         r = seq.role
         self.n_seqs[r] -= 1
         self.remaining[r] -= seq.remaining_estimate()
-        self.kv_sum[r] -= seq.kv_tokens
+        self.kv_sum[r] -= self.kv_need(seq)
         if self.n_seqs[r] == 0:
             self.remaining[r] = 0.0
         self.finished[r] += 1
@@ -183,8 +218,10 @@ class ClusterState:
         if generated <= seq.generated:
             return
         before = seq.remaining_estimate()
+        need_before = self.kv_need(seq)
         grown = generated - seq.generated
         seq.generated = generated
+        self.kv_sum[seq.role] += self.kv_need(seq) - need_before
         delta = seq.remaining_estimate() - before
         self.remaining[seq.role] += delta
         if seq.state is SeqState.RUNNING:
@@ -199,7 +236,7 @@ class ClusterState:
         for rid, rep in self.replicas.items():
             assert rep.role in self.by_role and rid in self.by_role[rep.role], rid
             assert len(rep.running) <= rep.max_seqs, f"{rid} over seq capacity"
-            assert rep.kv_used == sum(s.kv_tokens for s in rep.running.values()), rid
+            assert rep.kv_used == sum(s.kv_reserved for s in rep.running.values()), rid
             assert rep.kv_used <= rep.kv_capacity, f"{rid} over KV capacity"
             assert rep.context == sum(s.context_tokens for s in rep.running.values()), rid
             assert abs(rep.remaining - sum(s.remaining_estimate() for s in rep.running.values())) < 1e-6 * (
@@ -222,6 +259,6 @@ class ClusterState:
         for role in self.roles:
             live = [s for s in self.seqs.values() if s.role is role]
             assert self.n_seqs[role] == len(live), role
-            assert self.kv_sum[role] == sum(s.kv_tokens for s in live), role
+            assert self.kv_sum[role] == sum(self.kv_need(s) for s in live), role
             want = sum(s.remaining_estimate() for s in live)
             assert abs(self.remaining[role] - want) < 1e-6 * (1 + want), role

@@ -7,6 +7,7 @@ driver (the Dask scheduler plugin or the simulator), which is what lets both dri
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -24,6 +25,12 @@ class Role(StrEnum):
 
 #: Upstream-to-downstream order: rollout output feeds reward, reward output (whole groups) feeds train.
 PIPELINE: tuple[Role, ...] = (Role.ROLLOUT, Role.REWARD, Role.TRAIN)
+
+
+#: Expected remaining length of a sequence that outlived its expected length, as a fraction of what it has
+#: generated (mean residual life of a heavy-tailed length distribution grows with age; ~0.5 for lognormal
+#: lengths with p99 ≈ 10× median).
+TAIL_RESIDUAL = 0.5
 
 
 class SeqState(StrEnum):
@@ -67,6 +74,7 @@ class Sequence:
     replica_id: str | None = None
     aborts: int = 0
     order: int = -1
+    kv_reserved: int = 0
     submitted_at: float = 0.0
     finished_at: float | None = None
 
@@ -74,23 +82,38 @@ class Sequence:
         """Expected work still to do, in tokens. Never below 1 while not done, never above the budget left.
 
         Without an estimate we assume half the remaining budget (long-tailed lengths make the mean a poor
-        guide, the budget an upper bound).
+        guide, the budget an upper bound). With one, a sequence that has outlived it is not assumed to be
+        about to stop: with long-tailed lengths the expected remaining life grows with age, so we take
+        `TAIL_RESIDUAL × generated` when that is larger (this is what makes a rollout tail's remaining work
+        visible to the planner).
         """
         budget = max(self.max_new_tokens - self.generated, 0)
         if budget == 0:
             return 0.0
         if self.expected_new_tokens is None:
             return max(budget / 2.0, 1.0)
-        return float(min(max(self.expected_new_tokens - self.generated, 1.0), budget))
+        left = max(self.expected_new_tokens - self.generated, TAIL_RESIDUAL * self.generated, 1.0)
+        return float(min(left, budget))
 
     @property
     def kv_tokens(self) -> int:
-        """KV tokens this sequence reserves on a replica: prompt plus its whole generation budget.
+        """KV tokens at most: prompt plus the whole generation budget (what `kv_reserve="budget"` reserves).
 
         Reserving the budget (rather than growing) means an admitted sequence can never push a replica over
         its KV capacity later, so admission is the only place capacity must be checked.
         """
         return self.prompt_tokens + self.max_new_tokens
+
+    def kv_need(self, reserve: str = "budget") -> int:
+        """KV tokens to reserve when placing this sequence now. `budget`: the whole budget (never
+        overflows). `expected`: prompt + the expected length (at least what is generated so far + 1) — the
+        engine admits by current use and preempts on overflow, as vLLM does, so more sequences run."""
+        if reserve == "budget":
+            return self.prompt_tokens + self.max_new_tokens
+        expected = self.expected_new_tokens
+        if expected is None:
+            expected = self.max_new_tokens / 2
+        return self.prompt_tokens + min(self.max_new_tokens, max(self.generated + 1, math.ceil(expected)))
 
     @property
     def context_tokens(self) -> int:
@@ -121,14 +144,19 @@ class ControllerConfig:
     """Knobs of the controller. Defaults are sane for the CPU quickstart and the simulator alike.
 
     horizon_s: H, the look-ahead over which the planner counts expected work (step 4).
-    hysteresis: a plan must beat `hysteresis × (work the cluster does over H)` to be taken, so the planner
-        does not flap between near-equal allocations.
+    hysteresis: a plan must beat `hysteresis × H × devices moved` (device-seconds) to be taken, so the
+        planner does not flap between near-equal allocations (waived for a role with work and no replica).
     cooldown_s: a device that just shifted may not shift again for this long.
     decay: per-sample recency weight of the throughput fit (older samples weigh decay**age).
     prior_weight: weighted samples needed (with spread in concurrency) before the fitted slope replaces
         the prior's.
     shift_prior_s: assumed shift duration for a (from, to) pair never measured yet.
     max_shift_fraction: at most this fraction of the devices move in one decision.
+    upstream_slack: a role upstream of the shift-up role gives up only replicas costing it at most this
+        fraction of its throughput (its spare capacity): upstream output gates everything downstream.
+    kv_reserve: "budget" reserves prompt + max_new_tokens per sequence (a replica can never overflow);
+        "expected" reserves prompt + expected length (more concurrency; the engine must preempt on overflow,
+        as vLLM/SGLang do).
     """
 
     roles: dict[Role, RoleSpec] = field(default_factory=lambda: {r: RoleSpec() for r in PIPELINE})
@@ -140,6 +168,12 @@ class ControllerConfig:
     shift_prior_s: float = 5.0
     shift_cost_alpha: float = 0.3
     max_shift_fraction: float = 1.0
+    kv_reserve: str = "budget"
+    upstream_slack: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.kv_reserve not in ("budget", "expected"):
+            raise ValueError(f"kv_reserve must be 'budget' or 'expected', got {self.kv_reserve!r}")
 
     def spec(self, role: Role) -> RoleSpec:
         return self.roles.get(role) or RoleSpec()
@@ -223,7 +257,7 @@ class PlanReasoning:
     shift_up_role: str | None
     candidates: tuple[Candidate, ...]
     chosen: Candidate | None
-    threshold: float
+    threshold: float   # margin per device moved; a candidate needs B > threshold × devices
     note: str = ""
 
     def as_dict(self) -> dict[str, Any]:
@@ -318,8 +352,9 @@ class Replica:
     def n(self) -> int:
         return len(self.running)
 
-    def fits(self, seq: Sequence) -> bool:
-        return len(self.running) < self.max_seqs and self.kv_used + seq.kv_tokens <= self.kv_capacity
+    def fits(self, need: int) -> bool:
+        """Room for one more sequence reserving `need` KV tokens?"""
+        return len(self.running) < self.max_seqs and self.kv_used + need <= self.kv_capacity
 
     def rate(self) -> float:
         return self.model.rate(len(self.running))

@@ -106,8 +106,9 @@ def test_finish_accepted_while_waiting_after_an_abort_race() -> None:
     ctl.check_invariants()
 
 
-def test_tail_shift_aborts_nothing_idle_and_reward_gets_the_devices() -> None:
-    """The end of a rollout stage: idle rollout replicas move to reward; busy tail replicas stay."""
+def test_tail_shift_moves_rollout_devices_to_reward_keeping_the_tail_running() -> None:
+    """The end of a rollout stage: idle rollout replicas (and possibly a tail replica, whose sequence is
+    resumed on another rollout replica) move to reward."""
     cfg = config(cooldown_s=0.0, horizon_s=10.0, shift_prior_s=1.0)
     ctl = Controller("shiftable", devices=[f"d{i}" for i in range(5)], config=cfg)
     ctl.policy.initial_split = {Role.ROLLOUT: 4, Role.REWARD: 1}
@@ -119,8 +120,13 @@ def test_tail_shift_aborts_nothing_idle_and_reward_gets_the_devices() -> None:
     busy_before = {r.replica_id for r in ctl.replicas(Role.ROLLOUT) if r.n}
     dec = ctl.tick(5.0)
     assert dec is not None and dec.reasoning is not None and dec.reasoning.chosen is not None
-    assert dec.aborts == {}  # only idle replicas were taken
-    assert set(dec.dissolved).isdisjoint(busy_before)
+    moved = {a.seq_id: a.replica_id for a in dec.dispatch}
+    for rid, ids in dec.aborts.items():  # a taken tail replica: its sequence resumes on a rollout survivor
+        assert rid in busy_before and rid in dec.dissolved
+        for sid in ids:
+            assert ctl.state.replicas[moved[sid]].role is Role.ROLLOUT
+    assert len(ctl.replicas(Role.ROLLOUT)) >= 1
+    assert all(s.state is SeqState.RUNNING for s in ctl.state.seqs.values() if s.role is Role.ROLLOUT)
     assert all(sh.to_role is Role.REWARD for sh in dec.shifts)
     ready(ctl, 6.0)
     assert len(ctl.replicas(Role.REWARD)) == 1 + len(dec.shifts)

@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 from pivotrl.core import Role, RoleSpec
-from pivotrl.core.dispatcher import dispatch_role, shift_down, shift_up
+from pivotrl.core.dispatcher import cheapest_recent, dispatch_role, shift_down, shift_up
 from pivotrl.core.throughput import ThroughputModel
 from pivotrl.core.types import ReplicaState, SeqState
 
@@ -103,7 +103,7 @@ def test_shift_up_rebalances_from_the_most_loaded_shortest_context_first() -> No
     seqs = _fill(st, 20)
     dispatch_role(st, Role.ROLLOUT)
     for i, s in enumerate(seqs):
-        st.update_progress(s, i)  # distinct contexts
+        st.update_progress(s, 40 - i)  # distinct contexts; older sequences have generated more
     st.add_device("new", 0.0)
     rep = st.new_replica(Role.ROLLOUT, ("new",), 0.0, ReplicaState.ACTIVE)
     aborts, assignments = shift_up(st, Role.ROLLOUT, [rep.replica_id])
@@ -115,6 +115,22 @@ def test_shift_up_rebalances_from_the_most_loaded_shortest_context_first() -> No
         left = min(s.context_tokens for s in donor.running.values())
         assert max(st.seqs[i].context_tokens for i in ids) <= left
     st.check()
+
+
+def test_cheapest_recent_looks_at_the_newest_window_only() -> None:
+    st = active_state(config(roles={Role.ROLLOUT: RoleSpec(max_seqs=64, kv_tokens=10**6)}),
+                      {Role.ROLLOUT: 1})
+    seqs = _fill(st, 20)
+    dispatch_role(st, Role.ROLLOUT)
+    rep = st.active(Role.ROLLOUT)[0]
+    st.update_progress(seqs[0], 1)  # oldest: context 11, but outside the window
+    for s in seqs[1:]:
+        st.update_progress(s, 50)
+    st.update_progress(seqs[15], 60)
+    st.update_progress(seqs[14], 55)
+    st.update_progress(seqs[13], 52)
+    # Window = the 8 newest (s12..s19): all at context 60 except s13..s15; the smallest is s12 (tie → id).
+    assert cheapest_recent(rep).seq_id == min(f"rollout{i}" for i in (12, 16, 17, 18, 19))
 
 
 def test_shift_up_takes_queue_first_then_rebalances() -> None:

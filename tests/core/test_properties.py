@@ -61,7 +61,8 @@ def run_interleaving(seed: int) -> None:
         Role.TRAIN: RoleSpec(1, rng.randint(1, 3), 2000, tokens_per_seq_step=50.0),
     }
     cfg = ControllerConfig(roles=specs, horizon_s=rng.choice([1.0, 10.0]), hysteresis=rng.choice([0.0, 0.05]),
-                           cooldown_s=rng.choice([0.0, 1.0]), shift_prior_s=rng.choice([0.0, 1.0, 5.0]))
+                           cooldown_s=rng.choice([0.0, 1.0]), shift_prior_s=rng.choice([0.0, 1.0, 5.0]),
+                           kv_reserve=rng.choice(["budget", "expected"]))
     ctl = Controller(mode, devices=[f"d{i}" for i in range(rng.randint(0, 6))], config=cfg)
     if rng.random() < 0.5:
         plan = IterationPlan(0, rollout_seqs=rng.randint(0, 20), group_size=rng.choice([1, 2]))
@@ -92,6 +93,11 @@ def run_interleaving(seed: int) -> None:
             submitted.update(s.seq_id for s in batch)
         elif op == "dispatch":
             _check_assignments(ctl, ctl.dispatch(now))
+            for role, q in ctl.state.queues.items():  # whatever still waits fits on no active replica
+                head = q.peek()
+                if head is not None:
+                    need = ctl.state.kv_need(head)
+                    assert not any(r.fits(need) for r in ctl.state.active(role)), "dispatch left work behind"
         elif op == "step" and running:
             rep = ctl.state.replicas[rng.choice(running).replica_id]
             ctl.on_step(rep.replica_id, rep.n, rng.uniform(0.001, 0.5), now)
