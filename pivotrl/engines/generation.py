@@ -113,27 +113,39 @@ def keyed_uniform(seed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 def sample_tokens(
-    logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, uniform: torch.Tensor
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_p: torch.Tensor,
+    seed: torch.Tensor,
+    index: torch.Tensor,
 ) -> torch.Tensor:
-    """Vectorised sampling for a batch: greedy where temperature == 0, else top-p by inverse CDF."""
+    """Vectorised sampling for a batch: greedy where temperature == 0, else top-p by inverse CDF.
+
+    Row b uses the uniform `keyed_uniform(seed[b], index[b])`, so its draw depends on nothing else.
+    """
     tokens = logits.argmax(-1)
     sampled = temperature > 0
     if bool(sampled.any()):
         rows = sampled.nonzero().squeeze(1)
+        uniform = keyed_uniform(seed[rows], index[rows])
         scaled = logits[rows] / temperature[rows, None]
         probs = torch.softmax(scaled, dim=-1)
         sorted_p, order = probs.sort(dim=-1, descending=True)
         before = sorted_p.cumsum(-1) - sorted_p
         kept = torch.where(before < top_p[rows, None], sorted_p, torch.zeros_like(sorted_p))
         cdf = kept.cumsum(-1)
-        target = uniform[rows, None] * cdf[:, -1:]
+        target = uniform[:, None] * cdf[:, -1:]
         pick = (cdf < target).sum(-1).clamp_max(logits.shape[-1] - 1)
         tokens[rows] = order.gather(1, pick[:, None]).squeeze(1)
     return tokens
 
 
 class GenerationEngine:
-    """Continuous batching over a compact model on one device. See the module docstring."""
+    """Continuous batching over a compact model on one device. See the module docstring.
+
+    The engine takes over `model` (moves it to `device`, sets eval mode, packs its weights on CPU): give it
+    its own instance rather than the one a trainer is updating.
+    """
 
     def __init__(
         self,
@@ -147,6 +159,7 @@ class GenerationEngine:
         dtype: torch.dtype | None = None,
         initial_cache_len: int = 256,
         max_samples: int = 4096,
+        pack_weights: bool = True,
     ) -> None:
         if kv_budget_tokens < 1 or max_batch < 1:
             raise ValueError("kv_budget_tokens and max_batch must be >= 1")
@@ -158,6 +171,8 @@ class GenerationEngine:
             self.model.to(dtype)
         self.config = model.config
         self.dtype = next(self.model.parameters()).dtype
+        # oneDNN-prepacked weights on CPU (fp32): faster decode matmuls; refreshed when weights change.
+        self.packed = self.model.pack_for_inference(pack_weights)
         self.kv_budget_tokens = kv_budget_tokens
         self.max_batch = max_batch
         pos_limit = int(getattr(self.config, "max_position_embeddings", 1 << 30))
@@ -300,6 +315,7 @@ class GenerationEngine:
         partials += self._ready
         self._ready = []
         self.cache = None
+        self.model.pack_for_inference(False)  # drop the packed weight copies held on the model
         self.model = None  # type: ignore[assignment]
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -421,8 +437,7 @@ class GenerationEngine:
     def _sample_and_finish(self, logits: torch.Tensor, n_old: int) -> list[GenResult]:
         b = logits.shape[0]
         n_gen = self.n_gen[:b]
-        uniform = keyed_uniform(self.seed[:b], n_gen)
-        tokens = sample_tokens(logits, self.temperature[:b], self.top_p[:b], uniform)
+        tokens = sample_tokens(logits, self.temperature[:b], self.top_p[:b], self.seed[:b], n_gen)
         logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None]).squeeze(1)
         rows = self.cache.rows[:b]
         self.gen_buf[rows, n_gen] = tokens
