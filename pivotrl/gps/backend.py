@@ -238,7 +238,7 @@ class FsspecBackend:
 
 
 def make_backend(location: str | os.PathLike[str], *, fsync: bool = False) -> LocalBackend | FsspecBackend:
-    """A plain path gets the local fast path; anything with a URL scheme (`file://` included) goes via fsspec."""
+    """A plain path takes the local fast path; a URL (`file://` included) goes through fsspec."""
     loc = os.fspath(location)
     if "://" in loc:
         return FsspecBackend(loc)

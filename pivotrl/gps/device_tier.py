@@ -42,7 +42,7 @@ class DeviceTier:
         with self._lock:
             return sum(e.nbytes for e in self._lru.values())
 
-    def keys(self) -> list[Key]:
+    def cached(self) -> list[Key]:
         with self._lock:
             return list(self._lru)
 

@@ -123,9 +123,27 @@ class Manifest:
         return {a.name: a for a in self.arrays}
 
     def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["tensors"] = [{**asdict(t), "shape": list(t.shape)} for t in self.tensors]
-        return d
+        # Built by hand: dataclasses.asdict deep-copies recursively and costs milliseconds per publish.
+        return {
+            "model": self.model,
+            "version": self.version,
+            "data_id": self.data_id,
+            "tensors": [
+                {
+                    "name": t.name,
+                    "dtype": t.dtype,
+                    "shape": list(t.shape),
+                    "array": t.array,
+                    "offset": t.offset,
+                    "nbytes": t.nbytes,
+                    "xxh3": t.xxh3,
+                }
+                for t in self.tensors
+            ],
+            "arrays": [asdict(a) for a in self.arrays],
+            "created": self.created,
+            "format": self.format,
+        }
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Manifest:
