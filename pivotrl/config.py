@@ -117,6 +117,7 @@ class TrainConfig(Section):
     micro_batch: int = Field(16, ge=1)
     grad_clip: float = Field(1.0, gt=0.0)
     weight_decay: float = Field(0.0, ge=0.0)
+    warmup_steps: int = Field(0, ge=0, description="linear learning-rate warm-up, in optimizer steps")
     sft: SFTConfig = SFTConfig(steps=200, batch_size=64)
 
 

@@ -322,6 +322,23 @@ def make_engine(model, engine_cfg):
     )
 
 
+def make_trainer(cfg: PipelineConfig, policy, pad_id: int, reference=None) -> GRPOTrainer:
+    """The optimizer owner of a run, from ``cfg.train`` (the runtime's train role builds it the same way)."""
+    t = cfg.train
+    return GRPOTrainer(
+        policy,
+        pad_id=pad_id,
+        lr=t.lr,
+        clip_eps=t.clip_eps,
+        kl_coef=t.kl_coef,
+        micro_batch=t.micro_batch,
+        grad_clip=t.grad_clip,
+        weight_decay=t.weight_decay,
+        warmup_steps=t.warmup_steps,
+        ref_model=reference,
+    )  # temperature 1: the engine reports log-probs of the raw distribution, whatever it sampled with
+
+
 def run_loop(
     cfg: PipelineConfig,
     policy_dir: str | Path,
@@ -354,17 +371,7 @@ def run_loop(
         template,
         default_reward=cfg.reward.default_reward,
     )
-    trainer = GRPOTrainer(
-        policy,
-        pad_id=tokenizer.pad_token_id,
-        lr=cfg.train.lr,
-        clip_eps=cfg.train.clip_eps,
-        kl_coef=cfg.train.kl_coef,
-        micro_batch=cfg.train.micro_batch,
-        grad_clip=cfg.train.grad_clip,
-        weight_decay=cfg.train.weight_decay,
-        ref_model=reference,
-    )  # temperature 1: the engine reports log-probs of the raw distribution, whatever it sampled with
+    trainer = make_trainer(cfg, policy, tokenizer.pad_token_id, reference)
     total = iterations if iterations is not None else cfg.run.iterations
     t_start = time.perf_counter()
     initial = evaluate(rollout_engine, tokenizer, task, held, eval_max)["accuracy"]

@@ -320,6 +320,7 @@ class GRPOTrainer:
         temperature: float = 1.0,
         ref_model: torch.nn.Module | None = None,
         version: int = 0,
+        warmup_steps: int = 0,
     ) -> None:
         self.model = model
         self.ref_model = ref_model
@@ -337,6 +338,9 @@ class GRPOTrainer:
         )
         self.version = version
         self.skipped_steps = 0
+        self.lr = lr
+        self.warmup_steps = warmup_steps
+        self.steps_applied = 0  # drives the warm-up; part of the checkpoint
 
     # -- gradients ---------------------------------------------------------------------------------
     def accumulate(self, samples: Sequence[TrainSample]) -> GradSum:
@@ -384,7 +388,13 @@ class GRPOTrainer:
         scale = min(1.0, self.grad_clip / (stats.grad_norm + 1e-12))
         for name, p in self.params.items():
             p.grad = (grads[name] * scale).to(p.dtype).to(p.device)
+        # Linear warm-up: Adam's first updates are ~lr * sign(g) for every weight, which on a noisy RL
+        # gradient is a large random kick; ramping lr lets the moment estimates settle first.
+        warm = min(1.0, (self.steps_applied + 1) / self.warmup_steps) if self.warmup_steps > 0 else 1.0
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.lr * warm
         self.optimizer.step()
+        self.steps_applied += 1
         self.optimizer.zero_grad(set_to_none=True)
         self.version += 1
         stats.version = self.version
@@ -400,6 +410,7 @@ class GRPOTrainer:
             "optimizer": self.optimizer.state_dict(),
             "version": self.version,
             "skipped_steps": self.skipped_steps,
+            "steps_applied": self.steps_applied,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -407,6 +418,7 @@ class GRPOTrainer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.version = int(state["version"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
+        self.steps_applied = int(state.get("steps_applied", 0))
 
     def save_checkpoint(self, directory: str | Path) -> Path:
         """Weights, AdamW moments and the version, written atomically (tmp file + rename)."""

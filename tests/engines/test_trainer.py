@@ -25,8 +25,14 @@ PAD = 0
 def tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     torch.manual_seed(seed)
     cfg = Qwen2Config(
-        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=64, tie_word_embeddings=True,
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
     )
     return Qwen2ForCausalLM(cfg).to(dtype)
 
@@ -145,11 +151,13 @@ def test_inf_logprob_is_guarded():
 def test_checkpoint_restore_gives_identical_next_step(tmp_path):
     model = tiny_model(seed=3)
     b1, b2 = random_samples(8, seed=4, model=model), random_samples(8, seed=5)
-    t1 = GRPOTrainer(model, pad_id=PAD, lr=3e-3, micro_batch=3, weight_decay=0.01)
+    t1 = GRPOTrainer(model, pad_id=PAD, lr=3e-3, micro_batch=3, weight_decay=0.01, warmup_steps=4)
     t1.step(b1)
     t1.save_checkpoint(tmp_path / "ckpt")
     t1.step(b2)
-    restored = GRPOTrainer(tiny_model(seed=99), pad_id=PAD, lr=3e-3, micro_batch=3, weight_decay=0.01)
+    restored = GRPOTrainer(
+        tiny_model(seed=99), pad_id=PAD, lr=3e-3, micro_batch=3, weight_decay=0.01, warmup_steps=4
+    )
     restored.load_checkpoint(tmp_path / "ckpt")
     assert restored.version == 1
     restored.step(b2)
