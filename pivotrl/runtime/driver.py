@@ -112,7 +112,7 @@ def worker_role_specs(cfg: PipelineConfig, paths: dict[str, Path], run_id: str) 
             "micro_batch": cfg.train.micro_batch,
             "max_batch": 2 * cfg.train.micro_batch,
             "clip_eps": cfg.train.clip_eps,
-            "temperature": max(cfg.rollout.sampling.temperature, 1e-6),
+            "temperature": 1.0,  # engines report raw-distribution log-probs (see pivotrl.loop)
             "pad_id": PAD_ID,
             "grad_prefix": "grad",
         },
@@ -171,22 +171,14 @@ class Owner:
 
         from pivotrl.engines.model import CausalLM
         from pivotrl.engines.models import PAD_ID
-        from pivotrl.engines.trainer import GRPOTrainer
+        from pivotrl.loop import make_trainer
 
         self.cfg, self.gps = cfg, gps
         self.model = CausalLM.from_pretrained(policy_dir, dtype=getattr(torch, cfg.models.policy.dtype))
-        t = cfg.train
-        self.trainer = GRPOTrainer(
-            self.model,
-            pad_id=PAD_ID,
-            lr=t.lr,
-            clip_eps=t.clip_eps,
-            kl_coef=0.0,
-            micro_batch=t.micro_batch,
-            grad_clip=t.grad_clip,
-            weight_decay=t.weight_decay,
-            temperature=max(cfg.rollout.sampling.temperature, 1e-6),
-        )
+        if cfg.train.kl_coef > 0:
+            raise UserError("train.kl_coef: a KL penalty needs reference log-probs on train replicas, which "
+                            "the distributed runtime does not compute yet; use 0")
+        self.trainer = make_trainer(cfg, self.model, PAD_ID)  # the single-process loop's owner, same settings
         self.last_stats: dict[str, Any] = {}
 
     def publish(self) -> int:
