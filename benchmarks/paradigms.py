@@ -127,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
         help="default: debug with --quick (the 2-core box is shared), small otherwise",
     )
     ap.add_argument("--modes", default="colocated,disaggregated,shiftable", help=argparse.SUPPRESS)
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a workload field for every paradigm, e.g. scheduler.cooldown_s=3")
     ap.add_argument("--storage", type=Path, default=Path("storage/bench"))
     args = ap.parse_args(argv)
     for name in ("distributed", "distributed.worker", "distributed.scheduler", "distributed.nanny"):
@@ -135,12 +137,17 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(1)
+    from pivotrl.config import PipelineConfig
     from pivotrl.runtime.control import StaticGroupsControl
 
     size = args.model_size or ("debug" if args.quick else "small")
     args.model_size = size
     modes = args.modes.split(",")
     cfg = workload(args.quick, args.storage, size)
+    if args.overrides:
+        from pivotrl.config import apply_overrides
+
+        cfg = PipelineConfig.model_validate(apply_overrides(cfg.model_dump(), args.overrides))
     t0 = time.monotonic()
     out: dict[str, Any] = {
         "workload": {

@@ -89,5 +89,5 @@ class RuntimeSession:
             if len(ready) >= n_workers and roles_ok:
                 return st
             if time.monotonic() > deadline:
-                raise TimeoutError(f"devices not ready after {timeout_s}s: {st['workers']}")
+                raise TimeoutError(f"devices not ready (want {roles}) after {timeout_s}s: {st['workers']}")
             time.sleep(0.05)
