@@ -132,6 +132,9 @@ class ClusterConfig(Section):
 class SchedulerConfig(Section):
     mode: Literal["colocated", "disaggregated", "shiftable"] = "shiftable"
     static_split: dict[str, int] | None = None
+    static_groups: list[list[Literal["rollout", "reward", "train"]]] | None = Field(
+        None, description="disaggregated with fewer devices than roles: the fixed roles of each device"
+    )
     horizon_s: float = Field(10.0, gt=0.0)
     hysteresis: float = Field(0.05, ge=0.0)
     cooldown_s: float = Field(2.0, ge=0.0)

@@ -143,10 +143,27 @@ def control_role_specs(cfg: PipelineConfig) -> dict[str, dict[str, Any]]:
     }
 
 
-def make_control(cfg: PipelineConfig, mode: str) -> Any:
+DEFAULT_GROUPS = [["rollout"], ["reward", "train"]]  # the best 2-device grouping in benchmarks.paradigms
+
+
+def make_control(cfg: PipelineConfig, mode: str, n_devices: int, log: Callable[[str], None] = print) -> Any:
+    """core's controller for `mode`; for a disaggregated run on fewer devices than roles (no static split
+    can give each role a device) the fixed role groups of `scheduler.static_groups`."""
+    from pivotrl.runtime.control import StaticGroupsControl
     from pivotrl.runtime.core_control import CoreControl
 
     sc = cfg.scheduler
+    if mode == "disaggregated" and (
+        sc.static_groups is not None or (sc.static_split is None and n_devices < 3)
+    ):
+        groups = [list(g) for g in (sc.static_groups or DEFAULT_GROUPS)]
+        if len(groups) > n_devices or {r for g in groups for r in g} != {"rollout", "reward", "train"}:
+            raise UserError(
+                f"scheduler.static_groups: {groups} must cover rollout, reward and train with at "
+                f"most one group per device ({n_devices} devices)"
+            )
+        log(f"disaggregated on {n_devices} devices: fixed role groups {groups}")
+        return StaticGroupsControl(groups)
     return CoreControl(
         mode,
         role_specs=control_role_specs(cfg),
@@ -176,8 +193,10 @@ class Owner:
         self.cfg, self.gps = cfg, gps
         self.model = CausalLM.from_pretrained(policy_dir, dtype=getattr(torch, cfg.models.policy.dtype))
         if cfg.train.kl_coef > 0:
-            raise UserError("train.kl_coef: a KL penalty needs reference log-probs on train replicas, which "
-                            "the distributed runtime does not compute yet; use 0")
+            raise UserError(
+                "train.kl_coef: a KL penalty needs reference log-probs on train replicas, which "
+                "the distributed runtime does not compute yet; use 0"
+            )
         self.trainer = make_trainer(cfg, self.model, PAD_ID)  # the single-process loop's owner, same settings
         self.last_stats: dict[str, Any] = {}
 
@@ -355,7 +374,7 @@ def run_pipeline(
                 log(f"dashboard: {handle.dashboard_link}  (pivotrl page: /pivotrl)")
             session = RuntimeSession.install(
                 handle.client,
-                control=control if control is not None else make_control(cfg, mode),
+                control=control if control is not None else make_control(cfg, mode, n_dev, log),
                 role_specs=worker_role_specs(cfg, paths, run_id),
                 worker_options={
                     "torch_threads": cl.torch_threads,
