@@ -36,6 +36,8 @@ GROUPINGS: dict[str, list[list[str]]] = {
 
 
 def workload(quick: bool, storage: Path, model_size: str) -> Any:
+    """The one workload every paradigm runs. The planner's look-ahead and cooldown are scaled to this
+    workload's stages (each lasts ~1 s on the debug model): a 10 s horizon would plan past the iteration."""
     from pivotrl.config import PipelineConfig
     from pivotrl.engines.models import ensure_model
 
@@ -69,7 +71,7 @@ def workload(quick: bool, storage: Path, model_size: str) -> Any:
         },
         "train": {"micro_batch": 8, "lr": 1e-5},
         "cluster": {"workers": 2, "dashboard_address": None},
-        "scheduler": {"horizon_s": 5.0, "cooldown_s": 1.0, "tick_s": 0.1},
+        "scheduler": {"horizon_s": 3.0, "cooldown_s": 0.3, "hysteresis": 0.0, "tick_s": 0.1},
     }
     return PipelineConfig.model_validate(data)
 
@@ -127,8 +129,14 @@ def main(argv: list[str] | None = None) -> int:
         help="default: debug with --quick (the 2-core box is shared), small otherwise",
     )
     ap.add_argument("--modes", default="colocated,disaggregated,shiftable", help=argparse.SUPPRESS)
-    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                    help="override a workload field for every paradigm, e.g. scheduler.cooldown_s=3")
+    ap.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a workload field for every paradigm, e.g. scheduler.cooldown_s=3",
+    )
     ap.add_argument("--storage", type=Path, default=Path("storage/bench"))
     args = ap.parse_args(argv)
     for name in ("distributed", "distributed.worker", "distributed.scheduler", "distributed.nanny"):
