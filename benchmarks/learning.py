@@ -134,12 +134,52 @@ def plot(curves: dict[int, Any], path: Path, baseline: float) -> None:
     plt.close(fig)
 
 
+def _run_seed(job: tuple) -> dict[str, Any]:
+    """One RL run (own process when seeds run side by side)."""
+    cfg_data, policy_dir, judge_dir, seed, budget, iterations, eval_every, threads = job
+    torch.set_num_threads(threads)
+    run_cfg = PipelineConfig.model_validate(cfg_data)
+    run_cfg.run.seed = seed
+
+    def show(h):
+        acc = "" if h.heldout_accuracy is None else f" acc={h.heldout_accuracy:.3f}"
+        print(
+            f"[seed {seed}] it={h.iteration:3d} t={h.elapsed_s:5.0f}s reward={h.mean_reward:.2f} "
+            f"true={h.verifier_reward:.2f} agree={h.judge_agreement:.2f}{acc} "
+            f"len={h.response_len_mean:.1f} crit={h.critique_len_mean:.1f} kl_ref={h.kl_ref:.4f} "
+            f"tok/s roll={h.rollout_tokens_per_s:.0f} rew={h.reward_tokens_per_s:.0f} "
+            f"train={h.train_tokens_per_s:.0f}",
+            flush=True,
+        )
+
+    t0, cpu0 = time.perf_counter(), time.process_time()
+    res = run_loop(
+        run_cfg,
+        Path(policy_dir),
+        Path(judge_dir),
+        iterations=iterations,
+        time_budget_s=budget,
+        eval_every=eval_every,
+        on_iteration=show,
+    )
+    out = res.to_json()
+    out["wall_s"] = time.perf_counter() - t0
+    out["cpu_s"] = time.process_time() - cpu0
+    out["iterations"] = len(res.history)
+    print(
+        f"[seed {seed}] accuracy {res.initial_accuracy:.3f} -> {res.final_accuracy:.3f} "
+        f"({res.gain_points:+.1f} points) in {res.history[-1].elapsed_s:.0f}s of RL",
+        flush=True,
+    )
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="configs/quickstart.yaml")
     ap.add_argument("--quick", action="store_true", help="one seed (the default unless --seeds is given)")
     ap.add_argument("--seeds", type=int, nargs="+", default=None, help="RL seeds (e.g. 0 1 2)")
-    ap.add_argument("--time-budget", type=float, default=360.0, help="seconds of RL per seed (default 360)")
+    ap.add_argument("--time-budget", type=float, default=540.0, help="seconds of RL per seed (default 540)")
     ap.add_argument("--iterations", type=int, default=1000, help="upper bound on iterations per seed")
     ap.add_argument("--eval-every", type=int, default=10)
     ap.add_argument("--json", default=None, help="write results here")
@@ -147,6 +187,9 @@ def main(argv: list[str] | None = None) -> int:
         "--png", default=None, help="learning curve PNG (default next to --json or storage/bench/)"
     )
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: the CPU is shared)")
+    ap.add_argument(
+        "--parallel-seeds", action="store_true", help="run the seeds side by side, one process each"
+    )
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -169,40 +212,27 @@ def main(argv: list[str] | None = None) -> int:
         f"({on_policy['samples']} samples, {on_policy['correct_fraction']:.2f} correct)"
     )
 
-    runs: dict[int, Any] = {}
-    for seed in seeds:
-        run_cfg = cfg.model_copy(deep=True)
-        run_cfg.run.seed = seed
-
-        def show(h, seed=seed):
-            acc = "" if h.heldout_accuracy is None else f" acc={h.heldout_accuracy:.3f}"
-            print(
-                f"[seed {seed}] it={h.iteration:3d} t={h.elapsed_s:5.0f}s reward={h.mean_reward:.2f} "
-                f"true={h.verifier_reward:.2f} agree={h.judge_agreement:.2f}{acc} "
-                f"len={h.response_len_mean:.1f} crit={h.critique_len_mean:.1f} kl_ref={h.kl_ref:.4f} "
-                f"tok/s roll={h.rollout_tokens_per_s:.0f} rew={h.reward_tokens_per_s:.0f} "
-                f"train={h.train_tokens_per_s:.0f}",
-                flush=True,
-            )
-
-        t0 = time.perf_counter()
-        res = run_loop(
-            run_cfg,
-            boot.policy_dir,
-            boot.judge_dir,
-            iterations=args.iterations,
-            time_budget_s=args.time_budget,
-            eval_every=args.eval_every,
-            on_iteration=show,
+    jobs = [
+        (
+            cfg.model_dump(),
+            str(boot.policy_dir),
+            str(boot.judge_dir),
+            seed,
+            args.time_budget,
+            args.iterations,
+            args.eval_every,
+            args.threads,
         )
-        out = res.to_json()
-        out["wall_s"] = time.perf_counter() - t0
-        out["iterations"] = len(res.history)
-        runs[seed] = out
-        print(
-            f"[seed {seed}] accuracy {res.initial_accuracy:.3f} -> {res.final_accuracy:.3f} "
-            f"({res.gain_points:+.1f} points) in {res.history[-1].elapsed_s:.0f}s of RL"
-        )
+        for seed in seeds
+    ]
+    if args.parallel_seeds and len(seeds) > 1:
+        import multiprocessing as mp
+
+        with mp.get_context("spawn").Pool(len(jobs)) as pool:
+            outs = pool.map(_run_seed, jobs)
+    else:
+        outs = [_run_seed(job) for job in jobs]
+    runs: dict[int, Any] = dict(zip(seeds, outs, strict=True))
 
     gains = [runs[s]["accuracy_gain_points"] for s in seeds]
     json_path = Path(args.json) if args.json else None

@@ -94,6 +94,9 @@ class SFTConfig(Section):
     lr: float = Field(3e-3, gt=0.0)
     examples: int = Field(20000, ge=1)
     seed: int = 0
+    init: Literal["scratch", "policy"] = Field(
+        "scratch", description="judge only: start from random weights or from the bootstrap policy (like RMs)"
+    )
     sloppy: float = Field(
         0.0,
         ge=0.0,

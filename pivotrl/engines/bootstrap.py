@@ -39,12 +39,14 @@ from pivotrl.tasks import Problem, Task, get_task, normalize
 
 def corrupt_answer(answer: str, rng: random.Random) -> str:
     """A plausible wrong answer: the kinds of slips a weak policy makes (swap, drop, insert, change a digit,
-    reverse, truncate). Always differs from ``answer`` after whitespace normalisation."""
+    reverse, truncate, dedupe). Always differs from ``answer`` after whitespace normalisation."""
     words = normalize(answer).split(" ")
     for _ in range(20):
         w = list(words)
-        kind = rng.choice(["swap", "drop", "insert", "change", "change", "reverse", "truncate"])
-        if kind == "swap" and len(w) >= 2:
+        kind = rng.choice(["swap", "drop", "insert", "change", "change", "reverse", "truncate", "dedupe"])
+        if kind == "dedupe" and len(set(w)) < len(w):
+            w = sloppy_answer(" ".join(w)).split(" ")
+        elif kind == "swap" and len(w) >= 2:
             i = rng.randrange(len(w) - 1)
             w[i], w[i + 1] = w[i + 1], w[i]
         elif kind == "drop" and len(w) >= 2:
@@ -193,7 +195,7 @@ def sft(
 # ----------------------------------------------------------------------------------------------------
 
 ROLES = ("policy", "genrm")
-FORMAT_VERSION = 2  # bump when data construction changes, so cached models are rebuilt
+FORMAT_VERSION = 3  # bump when data construction changes, so cached models are rebuilt
 
 
 @dataclass
@@ -207,6 +209,12 @@ class BootstrapResult:
 
 def _settings(cfg: PipelineConfig, role: str) -> dict[str, Any]:
     sft = cfg.train.sft if role == "policy" else cfg.reward.sft
+    if role == "genrm" and sft.init == "policy":
+        return {**_own_settings(cfg, role, sft), "init": "policy", "policy": _settings(cfg, "policy")}
+    return _own_settings(cfg, role, sft)
+
+
+def _own_settings(cfg: PipelineConfig, role: str, sft: SFTConfig) -> dict[str, Any]:
     return {
         "format": FORMAT_VERSION,
         "role": role,
@@ -234,7 +242,7 @@ def train_role(cfg: PipelineConfig, role: str, out_dir: str | Path, threads: int
     from pivotrl.engines.models import build_tokenizer, save_hf
 
     torch.set_num_threads(threads)
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     sft_cfg = cfg.train.sft if role == "policy" else cfg.reward.sft
     task = get_task(cfg.task.name, cfg.task.options)
     tokenizer = build_tokenizer()
@@ -245,9 +253,18 @@ def train_role(cfg: PipelineConfig, role: str, out_dir: str | Path, threads: int
         pairs = policy_pairs(problems, sft_cfg.sloppy, seed=_data_seed(sft_cfg, role))
     else:
         pairs, _ = judge_pairs(task, problems, JudgeTemplate(), seed=_data_seed(sft_cfg, role))
-    config = build_config(sft_cfg)
     torch.manual_seed(sft_cfg.seed)
-    model = new_model(config, sft_cfg.seed)
+    if role == "genrm" and sft_cfg.init == "policy":
+        from pivotrl.engines.models import load_config as load_hf_config
+        from pivotrl.engines.models import load_state_dict
+
+        policy_dir = model_dir(cfg, "policy")
+        config = load_hf_config(policy_dir)
+        model = new_model(config, sft_cfg.seed)
+        model.load_state_dict(load_state_dict(policy_dir))
+    else:
+        config = build_config(sft_cfg)
+        model = new_model(config, sft_cfg.seed)
     losses = sft(
         model,
         encode_pairs(tokenizer, pairs),
@@ -264,6 +281,7 @@ def train_role(cfg: PipelineConfig, role: str, out_dir: str | Path, threads: int
     stats = {
         "role": role,
         "seconds": time.perf_counter() - t0,
+        "cpu_seconds": time.process_time() - cpu0,  # wall time on a shared machine overstates the cost
         "final_loss": sum(losses[-20:]) / max(len(losses[-20:]), 1),
         "parameters": sum(p.numel() for p in model.parameters()),
         "steps": sft_cfg.steps,
@@ -294,6 +312,8 @@ def ensure_bootstrap(
     if todo:
         log(f"bootstrap: training {', '.join(todo)} (cache: {dirs[todo[0]].parent})")
         jobs = [(cfg.model_dump(), r, str(dirs[r])) for r in todo]
+        if "policy" in todo and cfg.reward.sft.init == "policy":
+            parallel = False  # the judge starts from the policy: one after the other
         if parallel and len(jobs) > 1:
             import multiprocessing as mp
 
@@ -305,7 +325,7 @@ def ensure_bootstrap(
             stats[r["role"]] = r
             log(
                 f"bootstrap: {r['role']}: {r['parameters'] / 1e6:.2f}M params, {r['steps']} steps, "
-                f"loss {r['final_loss']:.3f}, {r['seconds']:.0f}s"
+                f"loss {r['final_loss']:.3f}, {r['seconds']:.0f}s wall, {r['cpu_seconds']:.0f}s CPU"
             )
     for role in ROLES:
         if role not in stats:

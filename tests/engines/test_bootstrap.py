@@ -135,3 +135,14 @@ def test_sloppy_needs_sort(tmp_path, bad):
     cfg = tiny_cfg(tmp_path, **{"train.sft.sloppy": 0.5, bad.split("=")[0]: bad.split("=")[1]})
     with pytest.raises(UserError, match="sloppy"):
         bs.train_role(cfg, "policy", tmp_path / "p")
+
+
+def test_judge_can_start_from_the_policy(tmp_path):
+    cfg = tiny_cfg(tmp_path, **{"reward.sft.init": "policy", "reward.sft.steps": 0})
+    res = bs.ensure_bootstrap(cfg, parallel=True, log=lambda *_: None)
+    sp, sj = load_state_dict(res.policy_dir), load_state_dict(res.judge_dir)
+    assert all(torch.equal(sp[k], sj[k]) for k in sp)  # zero judge steps: exactly the policy's weights
+    policy_changed = tiny_cfg(
+        tmp_path, **{"reward.sft.init": "policy", "reward.sft.steps": 0, "train.sft.steps": 4}
+    )
+    assert bs.model_dir(policy_changed, "genrm") != res.judge_dir  # the judge's key covers the policy's
