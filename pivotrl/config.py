@@ -128,13 +128,16 @@ class ClusterConfig(Section):
     workers: int | None = Field(None, ge=1, description="device workers; default one per core")
     scheduler: str | None = Field(None, description="tcp://host:port of an existing Dask scheduler")
     host: str = "127.0.0.1"
-    dashboard_address: str = ":8787"
+    dashboard_address: str | None = Field(":8787", description="None: no dashboard")
     torch_threads: int = Field(1, ge=1)
 
 
 class SchedulerConfig(Section):
     mode: Literal["colocated", "disaggregated", "shiftable"] = "shiftable"
     static_split: dict[str, int] | None = None
+    static_groups: list[list[Literal["rollout", "reward", "train"]]] | None = Field(
+        None, description="disaggregated with fewer devices than roles: the fixed roles of each device"
+    )
     horizon_s: float = Field(10.0, gt=0.0)
     hysteresis: float = Field(0.05, ge=0.0)
     cooldown_s: float = Field(2.0, ge=0.0)

@@ -1,0 +1,127 @@
+"""Start or connect to the Dask cluster whose workers are pivotrl's devices.
+
+- CPU: a `LocalCluster` of N worker processes, one thread each, every worker carrying the abstract resource
+  `device=1`; the worker plugin pins each to its own core and sets torch's thread count.
+- GPU: a `LocalCUDACluster` (one worker per GPU) when CUDA and the optional `dask_cuda` are present.
+- Remote: `--scheduler tcp://host:port` connects to a cluster someone else started (`dask scheduler` /
+  `dask worker --resources device=1`), which pivotrl never closes.
+
+The scheduler binds 127.0.0.1 unless told otherwise, so a laptop run is not reachable from the network.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from pivotrl.errors import UserError
+
+
+def default_workers() -> int:
+    """One device worker per usable core."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+@dataclass
+class ClusterHandle:
+    client: Any
+    cluster: Any | None  # None when we connected to a cluster we do not own
+    device: str  # "cpu" | "cuda"
+
+    @property
+    def dashboard_link(self) -> str | None:
+        try:
+            return self.client.dashboard_link
+        except Exception:
+            return None
+
+    def device_workers(self) -> list[str]:
+        info = self.client.scheduler_info(n_workers=-1)["workers"]
+        return sorted(info)
+
+
+def _local_cpu(n_workers: int, host: str, dashboard_address: str | None) -> Any:
+    from distributed import LocalCluster
+
+    return LocalCluster(
+        n_workers=n_workers,
+        threads_per_worker=1,
+        processes=True,
+        resources={"device": 1},
+        host=host,
+        dashboard_address=dashboard_address,
+        memory_limit=0,  # weights and KV caches are managed by the engines, not by dask's spill logic
+        silence_logs=40,
+    )
+
+
+def _local_cuda(n_workers: int | None, host: str, dashboard_address: str | None) -> Any:
+    try:
+        from dask_cuda import LocalCUDACluster
+    except ImportError as exc:  # pragma: no cover - GPU only
+        raise UserError("cluster: GPUs found but dask_cuda is missing; install the `gpu` extra") from exc
+    kwargs: dict[str, Any] = dict(
+        threads_per_worker=1,
+        resources={"device": 1},
+        host=host,
+        dashboard_address=dashboard_address,
+        memory_limit=0,
+    )
+    if n_workers is not None:
+        kwargs["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(n_workers))
+    return LocalCUDACluster(**kwargs)  # pragma: no cover - GPU only
+
+
+@contextlib.contextmanager
+def open_cluster(
+    *,
+    workers: int | None = None,
+    scheduler: str | None = None,
+    host: str = "127.0.0.1",
+    dashboard_address: str | None = ":0",
+    device: str = "auto",
+    timeout_s: float = 60.0,
+) -> Iterator[ClusterHandle]:
+    """Yield a connected client; close what we started (and only that) on exit."""
+    from distributed import Client
+
+    if scheduler:
+        if not scheduler.startswith(("tcp://", "tls://", "inproc://", "ucx://", "ws://", "wss://")):
+            raise UserError(f"--scheduler {scheduler!r}: expected an address like tcp://127.0.0.1:8786")
+        try:
+            client = Client(scheduler, timeout=timeout_s)
+        except OSError as exc:
+            raise UserError(f"--scheduler {scheduler}: cannot connect ({exc.__class__.__name__})") from None
+        try:
+            if workers:
+                client.wait_for_workers(workers, timeout=timeout_s)
+            yield ClusterHandle(client, None, "cuda" if device == "cuda" else "cpu")
+        finally:
+            client.close()
+        return
+
+    use_cuda = device == "cuda" or (device == "auto" and cuda_available())
+    if use_cuda:  # pragma: no cover - GPU only
+        cluster = _local_cuda(workers, host, dashboard_address)
+    else:
+        cluster = _local_cpu(workers or default_workers(), host, dashboard_address)
+    client = Client(cluster)
+    try:
+        yield ClusterHandle(client, cluster, "cuda" if use_cuda else "cpu")
+    finally:
+        client.close()
+        cluster.close()

@@ -1,0 +1,216 @@
+"""Per-iteration metrics of a run, the live progress line, and the xarray → Zarr record.
+
+What is measured: reward and verifier accuracy of the iteration's samples, tokens processed (rollout and
+judge tokens generated, train tokens) per second of wall time and per device, the share of device-time
+each role held, the role shifts with the time of each phase (abort, offload, fetch, load). The controller's
+timeline (role of each device, queue depths, tokens) is saved alongside for replay and the dashboard.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+PHASES = ("abort", "offload", "fetch", "load", "total")
+ROLE_CODES: dict[str | None, int] = {None: -1, "rollout": 0, "reward": 1, "train": 2, "shifting": 3}
+ROLES = ("rollout", "reward", "train")
+
+
+class IterationMeter:
+    def __init__(self, session: Any, log: Callable[[str], None]) -> None:
+        self.session = session
+        self.log = log
+        self.prev: dict[str, float] = {}
+        self.alloc: dict[str, float] = {}
+        self.shifts: list[dict[str, Any]] = []
+        self._t_poll = 0.0
+        self._roles_now: dict[str, str | None] = {}
+        self.n_devices = 0
+
+    # -- planning hints ---------------------------------------------------------------------------------
+    def iteration_plan(self, it: int, samples: list[Any], cfg: Any) -> dict[str, Any]:
+        g = cfg.task.group_size
+        resp = self.prev.get("response_tokens_mean") or cfg.rollout.sampling.max_new_tokens / 2
+        judge = self.prev.get("judge_tokens_mean") or cfg.reward.sampling.max_new_tokens / 2
+        prompt = sum(len(s.prompt_ids) for s in samples) / max(1, len(samples))
+        return {
+            "iteration": it,
+            "rollout_seqs": len(samples),
+            "group_size": g,
+            "rollout_tokens_per_seq": float(resp),
+            "reward_tokens_per_rollout": float(judge),
+            "train_tokens_per_group": float(g * (prompt + resp)),
+        }
+
+    # -- live -------------------------------------------------------------------------------------------
+    def start(self, it: int) -> None:
+        self.it = it
+        self.t0 = time.monotonic()
+        self._t_poll = self.t0
+        self.alloc = {}
+        self.shifts = []
+        st = self.session.state()
+        self.tokens0 = dict(st["tokens"])
+        self._roles_now = {
+            w["name"]: (w["role"] if w["status"] == "ready" else "shifting") for w in st["workers"].values()
+        }
+        self.n_devices = len(st["workers"])
+
+    def poll(self, out: dict[str, Any]) -> None:
+        """Called with each `collect` reply while an iteration runs."""
+        state, events = out["state"], out.get("events")
+        now = time.monotonic()
+        dt = now - self._t_poll
+        self._t_poll = now
+        for role in self._roles_now.values():  # device-time per role since the last poll
+            key = role or "idle"
+            self.alloc[key] = self.alloc.get(key, 0.0) + dt
+        self._roles_now = {
+            w["name"]: (w["role"] if w["status"] == "ready" else "shifting")
+            for w in state["workers"].values()
+        }
+        self.n_devices = max(self.n_devices, len(state["workers"]))
+        self.last_state = state
+        for e in events or ():
+            if e["kind"] == "shift_done" and e.get("src") is not None:
+                self.shifts.append(e)
+                t = e["timings"]
+                self.log(
+                    f"  shift: device {e['name']} {e['src']} → {e['role']}  "
+                    f"(abort {t.get('abort', 0):.2f}s, offload {t.get('offload', 0):.2f}s, "
+                    f"fetch {t.get('fetch', 0):.2f}s, load {t.get('load', 0):.2f}s, "
+                    f"total {t.get('total', 0):.2f}s)"
+                )
+            elif e["kind"] == "worker_lost":
+                self.log(
+                    f"  device {e['name']} lost; {e['requeued']} items re-queued "
+                    f"({e['kept_tokens']} generated tokens kept)"
+                )
+
+    def finish(self, res: Any, train_stats: dict[str, Any], version: int) -> dict[str, Any]:
+        seconds = time.monotonic() - self.t0
+        st = self.session.state()
+        tokens = {r: st["tokens"].get(r, 0) - self.tokens0.get(r, 0) for r in ROLES}
+        samples = res.samples
+        rewards = [s.reward for s in samples if s.reward is not None]
+        total_alloc = sum(self.alloc.values()) or 1.0
+        row: dict[str, Any] = {
+            "iteration": res.iteration,
+            "version": version,
+            "seconds": seconds,
+            "reward_mean": sum(rewards) / max(1, len(rewards)),
+            "accuracy": 100.0 * sum(bool(s.data.get("correct")) for s in samples) / max(1, len(samples)),
+            "response_tokens_mean": sum(len(s.response_ids) for s in samples) / max(1, len(samples)),
+            "judge_tokens_mean": sum(s.data.get("judge_tokens", 0) for s in samples) / max(1, len(samples)),
+            "tokens_rollout": tokens["rollout"],
+            "tokens_reward": tokens["reward"],
+            "tokens_train": tokens["train"],
+            "tokens_per_s": sum(tokens.values()) / seconds if seconds > 0 else 0.0,
+            "devices": self.n_devices,
+            "shifts": len(self.shifts),
+        }
+        row["tokens_per_s_per_device"] = row["tokens_per_s"] / max(1, self.n_devices)
+        for key in (*ROLES, "shifting", "idle"):
+            row[f"alloc_{key}"] = self.alloc.get(key, 0.0) / total_alloc
+        for ph in PHASES:
+            vals = [e["timings"].get(ph, 0.0) for e in self.shifts]
+            row[f"shift_{ph}_s"] = sum(vals) / len(vals) if vals else math.nan
+        for key in ("loss", "grad_norm", "skipped", "replica_sums", "clip_frac"):
+            if key in train_stats:
+                row[f"train_{key}"] = float(train_stats[key])
+        for stage, t in res.stage_seconds.items():
+            row[f"stage_{stage}_done_s"] = t
+        self.prev = row
+        return row
+
+    @staticmethod
+    def allocation(row: dict[str, Any]) -> str:
+        parts = [
+            f"{r[:2]} {row[f'alloc_{r}'] * 100:.0f}%" for r in (*ROLES, "shifting") if row[f"alloc_{r}"] > 0
+        ]
+        return "/".join(parts)
+
+    def postfix(self, row: dict[str, Any]) -> str:
+        return (
+            f"reward {row['reward_mean']:.2f} acc {row['accuracy']:.0f}% "
+            f"{row['tokens_per_s']:.0f} tok/s roles[{self.allocation(row)}] shifts {row['shifts']}"
+        )
+
+    def line(self, row: dict[str, Any]) -> str:
+        return f"iteration {row['iteration']}: {self.postfix(row)} ({row['seconds']:.1f}s)"
+
+
+def write_metrics(result: Any, path: Path) -> Path:
+    """Iterations, shifts and the controller timeline as one xarray Dataset in Zarr (+ a JSON summary)."""
+    import numpy as np
+    import xarray as xr
+
+    data_vars: dict[str, Any] = {}
+    rows = result.iterations
+    if rows:
+        keys = sorted({k for r in rows for k, v in r.items() if isinstance(v, (int, float, bool))})
+        for k in keys:
+            data_vars[k if k != "iteration" else "iteration_index"] = (
+                "iteration",
+                np.array([float(r.get(k, math.nan)) for r in rows]),
+            )
+    shifts = result.shifts
+    if shifts:
+        for ph in PHASES:
+            data_vars[f"shift_time_{ph}"] = (
+                "shift",
+                np.array([e["timings"].get(ph, math.nan) for e in shifts]),
+            )
+        data_vars["shift_t"] = ("shift", np.array([e["t"] for e in shifts]))
+        data_vars["shift_from"] = ("shift", np.array([ROLE_CODES.get(e["src"], -1) for e in shifts], np.int8))
+        data_vars["shift_to"] = ("shift", np.array([ROLE_CODES.get(e["role"], -1) for e in shifts], np.int8))
+        data_vars["shift_device"] = ("shift", np.array([str(e["name"]) for e in shifts], dtype=object))
+    tl = result.timeline
+    if tl:
+        data_vars["timeline_t"] = ("sample", np.array([s["t"] for s in tl]))
+        for role in ROLES:
+            data_vars[f"queue_depth_{role}"] = (
+                "sample",
+                np.array([s["queue_depth"].get(role, 0) for s in tl]),
+            )
+            data_vars[f"running_{role}"] = ("sample", np.array([s["running"].get(role, 0) for s in tl]))
+            data_vars[f"tokens_{role}"] = ("sample", np.array([s["tokens"].get(role, 0) for s in tl]))
+        names = sorted({n for s in tl for n in s["roles"]})
+        data_vars["device_role"] = (
+            ("sample", "device"),
+            np.array([[ROLE_CODES.get(s["roles"].get(n), -1) for n in names] for s in tl], dtype=np.int8),
+        )
+    ds = xr.Dataset(
+        data_vars,
+        coords={"device": np.array(sorted({n for s in tl for n in s["roles"]}), dtype=object)}
+        if tl
+        else None,
+    )
+    ds.attrs.update(
+        {
+            "run_id": result.run_id,
+            "wall_s": float(result.wall_s),
+            "devices": int(result.devices),
+            "role_codes": "-1 idle, 0 rollout, 1 reward, 2 train, 3 shifting",
+            **{f"eval_{k}": float(v) for k, v in result.eval.items()},
+        }
+    )
+    with warnings.catch_warnings():  # zarr v3 warns that variable-length strings are not in its spec yet
+        warnings.simplefilter("ignore")
+        ds.to_zarr(str(path), mode="w", consolidated=False)
+    summary = {
+        "run_id": result.run_id,
+        "wall_s": result.wall_s,
+        "devices": result.devices,
+        "eval": result.eval,
+        "iterations": rows,
+        "shifts": shifts,
+        "final_policy": str(result.final_policy) if result.final_policy else None,
+    }
+    (path.parent / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    return path

@@ -1,0 +1,288 @@
+"""Role contexts: what a device holds while it serves one role.
+
+Every context has the same life cycle, which is what makes shifting one code path for every pair of roles:
+
+    ctx = Context(role, spec)          # spec: GPS model name, version, HF dir (config), engine options
+    state = ctx.fetch(env, version)    # weights from the Global Parameter Storage (timed as "fetch")
+    ctx.load(env, state)               # build the model/engine on the device        (timed as "load")
+    ... ctx.add(item) / ctx.step() / ctx.abort(ids) / ctx.progress() / ctx.flush() ...
+    ctx.offload()                      # free weights and caches                      (timed as "offload")
+
+Items and results are plain dicts of lists (never tensors), since they travel through Dask comms.
+`GenerationContext` serves rollout (policy) and reward (GenRM judge): both are token generation.
+`TrainContext` computes GRPO gradient sums for micro-batches and hands its local sum to the GPS on `flush`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+
+def _build_model(spec: dict[str, Any], device: str, state: dict[str, torch.Tensor]) -> Any:
+    """The model with `state` loaded, built without a random initialisation (most of a shift's load time
+    for a small model on CPU would otherwise go to initialising weights that are overwritten at once)."""
+    from pivotrl.engines import model as compact
+    from pivotrl.engines.models import load_config
+
+    dtype = getattr(torch, spec.get("dtype", "float32"))
+    config = load_config(spec["hf_dir"])
+    try:
+        with torch.device("meta"):
+            model = compact.CausalLM(config)
+        model = model.to_empty(device=device).to(dtype)
+        if getattr(config, "tie_word_embeddings", False):  # to_empty unties shared parameters
+            model.lm_head.weight = model.model.embed_tokens.weight
+        d = compact._head_dim(config)  # the one non-persistent buffer: recomputed as the module does
+        inv = 1.0 / (compact._rope_theta(config) ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+        model.inv_freq = inv.to(device)
+        model.load_state_dict(state)
+        return model
+    except (AttributeError, RuntimeError, TypeError):
+        model = compact.CausalLM.from_config(config, device=device, dtype=dtype)
+        model.load_state_dict(state)
+        return model
+
+
+class _Weights:
+    """Fetch from GPS: the version a role needs, on this device."""
+
+    version: int | None
+
+    def __init__(self, role: str, spec: dict[str, Any]) -> None:
+        self.role = role
+        self.spec = spec
+        self.version = spec.get("version")
+
+    def fetch(self, env: Any, version: int | None) -> dict[str, torch.Tensor]:
+        want = "latest" if version is None else int(version)
+        sd = env.gps.fetch(self.spec["model"], want, device=env.device)
+        self.version = env.gps.latest(self.spec["model"]) if version is None else int(version)
+        return sd
+
+
+class GenerationContext(_Weights):
+    """A continuous-batching engine on this device (rollout: the policy; reward: the GenRM judge)."""
+
+    def __init__(self, role: str, spec: dict[str, Any]) -> None:
+        super().__init__(role, spec)
+        self.engine: Any = None
+        self.max_batch = int(spec.get("max_batch", 64))
+        self.live: set[str] = set()  # ids added and not yet finished or aborted
+        self.live: set[str] = set()  # ids added and not yet finished or aborted
+
+    def load(self, env: Any, state: dict[str, torch.Tensor]) -> None:
+        kv = int(self.spec.get("kv_budget_tokens", 65536))
+        if self.spec.get("backend", "torch") == "vllm":  # GPU: same interface over vLLM (lazy import)
+            from pivotrl.engines.vllm_engine import VLLMEngine
+
+            self.engine = VLLMEngine(
+                self.spec["hf_dir"],
+                kv_budget_tokens=kv,
+                max_batch=self.max_batch,
+                device=env.device,
+                dtype=self.spec.get("dtype", "auto"),
+            )
+            self.engine.load_state_dict(state)  # the GPS version, not whatever the directory holds
+            return
+        from pivotrl.engines.generation import GenerationEngine
+
+        model = _build_model(self.spec, env.device, state)
+        self.engine = GenerationEngine(
+            model, kv_budget_tokens=kv, max_batch=self.max_batch, device=env.device
+        )
+
+    def set_version(self, env: Any, version: int) -> None:
+        """Move this replica to another version of the same model (rollout following the policy)."""
+        self.engine.load_state_dict(self.fetch(env, version))
+
+    def offload(self) -> None:
+        if self.engine is not None:
+            self.engine.offload()
+        self.engine = None
+
+    def add(self, item: dict[str, Any]) -> None:
+        from pivotrl.engines.generation import GenRequest, SamplingParams
+
+        p = item["payload"]
+        s = dict(p.get("sampling") or {})
+        if "stop_ids" in s:
+            s["stop_ids"] = tuple(s["stop_ids"])
+        self.live.add(item["id"])
+        self.engine.add(
+            GenRequest(
+                seq_id=item["id"],
+                prompt_ids=list(p["prompt_ids"]),
+                sampling=SamplingParams(**s),
+                generated_ids=list(item.get("generated", ())),
+                logprobs=list(item.get("logprobs", ())),
+            )
+        )
+
+    def has_work(self) -> bool:
+        return self.engine is not None and self.engine.has_work()
+
+    def free_slots(self) -> int:
+        if self.engine is None:
+            return 0
+        return max(0, self.max_batch - self.engine.num_running - self.engine.num_waiting)
+
+    def step(self) -> tuple[list[dict[str, Any]], tuple[int, float, int] | None]:
+        before = self._tokens()
+        t0 = time.perf_counter()
+        done = self.engine.step()
+        dt = time.perf_counter() - t0
+        tokens = self._tokens() - before
+        self.live.difference_update(r.seq_id for r in done)
+        out = [
+            {
+                "id": r.seq_id,
+                "generated": r.generated_ids,
+                "logprobs": r.logprobs,
+                "finish_reason": r.finish_reason,
+                "version": self.version,
+            }
+            for r in done
+        ]
+        return out, ((tokens, dt, tokens) if tokens else None)
+
+    def _tokens(self) -> int:
+        n = getattr(self.engine, "tokens_generated", None)
+        return int(n if n is not None else self.engine.stats().get("tokens_generated", 0))
+
+    def abort(self, ids: list[str] | None) -> list[dict[str, Any]]:
+        if self.engine is None:
+            return []
+        ids = sorted(self.live) if ids is None else list(ids)
+        self.live.difference_update(ids)
+        return [
+            {"id": r.seq_id, "generated": r.generated_ids, "logprobs": r.logprobs}
+            for r in self.engine.abort(ids)
+        ]
+
+    def progress(self) -> dict[str, tuple[list[int], list[float]]]:
+        """Tokens generated so far by running sequences, so a lost worker's work is not all lost.
+        Reads the engine's per-row buffers (the engine has no public accessor for partials yet)."""
+        eng = self.engine
+        try:
+            counts = eng.n_gen[: len(eng.running)].tolist()
+            return {
+                run.req.seq_id: (eng.gen_buf[row, :n].tolist(), eng.lp_buf[row, :n].tolist())
+                for row, (run, n) in enumerate(zip(eng.running, counts))
+            }
+        except AttributeError:
+            return {}
+
+    def flush(self) -> None:
+        return None
+
+
+class TrainContext(_Weights):
+    """GRPO gradients for micro-batches of train items, summed locally until `flush`.
+
+    Elastic: the sum of every replica's flushed sums equals the single-replica gradient (the trainer divides
+    by the global token count once), so replicas may join or leave the train role at any moment; a replica
+    leaving flushes first (its shift's abort phase)."""
+
+    def __init__(self, role: str, spec: dict[str, Any]) -> None:
+        super().__init__(role, spec)
+        self.model: Any = None
+        self.queue: list[dict[str, Any]] = []
+        self.sum: Any = None
+        self.done: list[str] = []
+        self.micro_batch = int(spec.get("micro_batch", 8))
+        self.max_batch = int(spec.get("max_batch", 4 * self.micro_batch))
+        self.env: Any = None
+
+    def load(self, env: Any, state: dict[str, torch.Tensor]) -> None:
+        self.env = env
+        self.model = _build_model(self.spec, env.device, state)
+
+    def set_version(self, env: Any, version: int) -> None:
+        if self.sum is not None:
+            raise RuntimeError("train replica asked to change version with an unflushed gradient sum")
+        self.model.load_state_dict(self.fetch(env, version))
+
+    def offload(self) -> None:
+        self.model = None
+
+    def add(self, item: dict[str, Any]) -> None:
+        self.queue.append(item)
+
+    def has_work(self) -> bool:
+        return bool(self.queue)
+
+    def free_slots(self) -> int:
+        return max(0, self.max_batch - len(self.queue))
+
+    def step(self) -> tuple[list[dict[str, Any]], tuple[int, float, int] | None]:
+        from pivotrl.engines.trainer import LossConfig, TrainSample, compute_grad_sum
+
+        batch, self.queue = self.queue[: self.micro_batch], self.queue[self.micro_batch :]
+        samples = []
+        for item in batch:
+            p = item["payload"]
+            samples.append(
+                TrainSample(
+                    prompt_ids=list(p["prompt_ids"]),
+                    response_ids=list(p["response_ids"]),
+                    advantage=float(p["advantage"]),
+                    old_logprobs=list(p["logprobs"]) if p.get("logprobs") else None,
+                )
+            )
+        t0 = time.perf_counter()
+        loss = LossConfig(
+            clip_eps=float(self.spec.get("clip_eps", 0.2)),
+            temperature=float(self.spec.get("temperature", 1.0)),
+        )
+        gs = compute_grad_sum(
+            self.model,
+            samples,
+            pad_id=int(self.spec.get("pad_id", 0)),
+            micro_batch=self.micro_batch,
+            loss=loss,
+            version=int(self.version or 0),
+        )
+        self.sum = gs if self.sum is None else self.sum + gs
+        self.done.extend(i["id"] for i in batch)
+        tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+        return [{"id": i["id"]} for i in batch], (len(batch), time.perf_counter() - t0, tokens)
+
+    def abort(self, ids: list[str] | None) -> list[dict[str, Any]]:
+        back = [i for i in self.queue if ids is None or i["id"] in ids]
+        self.queue = [i for i in self.queue if i not in back]
+        return [{"id": i["id"], "generated": [], "logprobs": []} for i in back]
+
+    def progress(self) -> dict[str, tuple[list[int], list[float]]]:
+        return {}
+
+    def flush(self) -> dict[str, Any] | None:
+        """Publish the local gradient sum to the GPS (persisted before we report it) and hand in its ref."""
+        if self.sum is None:
+            return None
+        gs, items = self.sum, list(self.done)
+        name = f"{self.spec.get('grad_prefix', 'grad')}-w{self.env.name}"
+        try:  # only this device writes under its name, so the next free version is ours
+            version = max(self.env.gps.versions(name), default=-1) + 1
+        except LookupError:
+            version = 0
+        self.env.gps.publish(name, version, gs.grads)
+        self.env.gps.flush()
+        self.sum, self.done = None, []  # handed in only once safely persisted
+        stats = {
+            k: getattr(gs, k)
+            for k in (
+                "tokens",
+                "samples",
+                "version",
+                "loss_sum",
+                "pg_sum",
+                "kl_ref_sum",
+                "kl_old_sum",
+                "clipped",
+                "nonfinite",
+            )
+        }
+        return {"ref": {"model": name, "version": version}, "items": items, "stats": stats}

@@ -1,0 +1,321 @@
+"""The role host of one device: a `WorkerPlugin` running the current role's engine loop in a thread.
+
+Why a thread: generation and training steps are long, blocking torch calls; run on the worker's event loop
+they would stall heartbeats and comms. The thread talks to the scheduler extension through the worker's own
+RPC pool (`worker.scheduler.pivotrl_sync`), scheduled onto the worker's event loop.
+
+One loop iteration: sync (push finished/aborted items, progress, step samples; pull commands) → apply
+commands (shift, abort, flush, new items) → one engine step. A shift is the same code path for every pair
+of roles:  abort → offload → fetch (from the Global Parameter Storage) → load → ready, each phase timed and
+reported with `shift_done` (those timings feed the planner's shift-cost model, φ).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+from distributed.diagnostics.plugin import WorkerPlugin
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CONTEXTS = {
+    "rollout": "pivotrl.runtime.roles:GenerationContext",
+    "reward": "pivotrl.runtime.roles:GenerationContext",
+    "train": "pivotrl.runtime.roles:TrainContext",
+}
+
+
+def resolve(path: str) -> Any:
+    """`"package.module:Name"` → the object (role contexts are named by path so users can add roles)."""
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def pin_process_to_core(core: int) -> bool:
+    """Pin every thread of this process to one core (threads created later inherit it). False where the
+    OS does not allow it (macOS, restricted containers)."""
+    if not hasattr(os, "sched_setaffinity"):
+        return False
+    try:
+        allowed = sorted(os.sched_getaffinity(0))
+        target = {allowed[core % len(allowed)]}
+        tids = [int(t) for t in os.listdir("/proc/self/task")] if os.path.isdir("/proc/self/task") else [0]
+        for tid in tids:
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(tid, target)
+        return True
+    except OSError:
+        return False
+
+
+class WorkerEnv:
+    """What a role context may use on this device: the device name, the parameter store, torch threads."""
+
+    def __init__(self, device: str, gps_options: dict[str, Any] | None, storage_root: str) -> None:
+        self.device = device
+        self.gps_options = dict(gps_options or {})
+        self.storage_root = storage_root
+        self._gps: Any = None
+        self.name = ""
+
+    @property
+    def gps(self) -> Any:
+        if self._gps is None:
+            from pivotrl.gps import ParameterStore
+
+            opts = dict(self.gps_options)
+            root = opts.pop("root", None) or os.path.join(self.storage_root, "gps")
+            self._gps = ParameterStore(root, device=self.device, **opts)
+        return self._gps
+
+
+class PivotWorkerPlugin(WorkerPlugin):
+    """Register with `client.register_plugin(PivotWorkerPlugin(...))` after the scheduler plugin."""
+
+    name = "pivotrl"
+
+    def __init__(
+        self,
+        *,
+        torch_threads: int = 1,
+        pin_cores: bool = True,
+        device: str = "cpu",
+        gps: dict[str, Any] | None = None,
+        storage_root: str = "storage",
+        idle_poll_s: float = 0.02,
+        progress_every_s: float = 0.5,
+        contexts: dict[str, str] | None = None,
+        session: str = "",
+    ) -> None:
+        self.session = session
+        self.torch_threads = torch_threads
+        self.pin_cores = pin_cores
+        self.device = device
+        self.gps_options = gps
+        self.storage_root = storage_root
+        self.idle_poll_s = idle_poll_s
+        self.progress_every_s = progress_every_s
+        self.contexts = {**DEFAULT_CONTEXTS, **(contexts or {})}
+
+    # -- lifecycle ------------------------------------------------------------------------------------
+    def setup(self, worker: Any) -> None:
+        self.worker = worker
+        self.pinned = False
+        if self.pin_cores:
+            try:
+                core = int(worker.name)
+            except (TypeError, ValueError):
+                core = abs(hash(str(worker.name)))
+            self.pinned = pin_process_to_core(core)
+        device = self.device
+        if device == "cuda":  # dask-cuda sets CUDA_VISIBLE_DEVICES so that this worker sees one GPU first
+            device = "cuda:0"
+        self.env = WorkerEnv(device, self.gps_options, self.storage_root)
+        self.env.name = str(worker.name)
+        self.ctx: Any = None
+        self.role: str | None = None
+        self._stop = threading.Event()
+        self._out: dict[str, Any] = self._empty_out()
+        self._reported: dict[str, int] = {}
+        self._pending: list[dict[str, Any]] = []
+        self._last_progress = 0.0
+        self.shift_log: list[dict[str, Any]] = []
+        self._thread = threading.Thread(target=self._run, name="pivotrl-role-host", daemon=True)
+        self._thread.start()
+
+    async def teardown(self, worker: Any) -> None:
+        # the loop thread may be waiting on this event loop (a sync): join it without blocking the loop
+        self._stop.set()
+        if self._thread.is_alive():
+            await asyncio.to_thread(self._thread.join, 30)
+        if self.ctx is not None:
+            with contextlib.suppress(Exception):
+                self.ctx.offload()
+            self.ctx = None
+
+    @staticmethod
+    def _empty_out() -> dict[str, Any]:
+        return {
+            "finished": [],
+            "aborted": [],
+            "progress": {},
+            "steps": [],
+            "flushed": None,
+            "shift_done": None,
+        }
+
+    # -- talking to the scheduler ---------------------------------------------------------------------
+    def _sync(self) -> dict[str, Any]:
+        out, self._out = self._out, self._empty_out()
+        free = 0
+        if self.ctx is not None:
+            free = max(0, int(self.ctx.free_slots()) - len(self._pending))
+        coro = self.worker.scheduler.pivotrl_sync(
+            worker=self.worker.address, free=free, session=self.session, **out
+        )
+        fut = asyncio.run_coroutine_threadsafe(coro, self.worker.loop.asyncio_loop)
+        try:
+            return fut.result(timeout=60)
+        except Exception:
+            # scheduler unreachable or closing: keep what we had so nothing is lost, report it next time
+            for key in ("finished", "aborted", "steps"):
+                self._out[key] = out[key] + self._out[key]
+            self._out["progress"] = {**out["progress"], **self._out["progress"]}
+            self._out["flushed"] = self._out["flushed"] or out["flushed"]
+            self._out["shift_done"] = self._out["shift_done"] or out["shift_done"]
+            raise
+
+    # -- the loop -------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        import torch
+
+        torch.set_num_threads(self.torch_threads)
+        if self.pin_cores and self.pinned:
+            with contextlib.suppress(Exception):
+                pin_process_to_core(int(self.worker.name))
+        for path in set(self.contexts.values()):  # import role code now, so shift timings measure shifting
+            with contextlib.suppress(Exception):
+                resolve(path)
+        with contextlib.suppress(Exception):
+            import pivotrl.engines.generation
+            import pivotrl.engines.trainer
+            import pivotrl.gps  # noqa: F401
+        while not self._stop.is_set():
+            try:
+                reply = self._sync()
+            except Exception:
+                if self._stop.is_set():
+                    break
+                logger.info("pivotrl sync failed; retrying", exc_info=True)
+                time.sleep(0.2)
+                continue
+            try:
+                busy = self._apply(reply)
+            except Exception:
+                logger.exception(
+                    "pivotrl role host failed applying %s", {k: v for k, v in reply.items() if k != "assign"}
+                )
+                busy = False
+            if not busy:
+                self._stop.wait(self.idle_poll_s)
+
+    def _apply(self, reply: dict[str, Any]) -> bool:
+        if reply.get("unknown"):
+            return False
+        if reply.get("shift"):
+            self._shift(reply["shift"])
+            return True
+        if reply.get("abort") and self.ctx is not None:
+            self._abort(reply["abort"])
+        if reply.get("flush") and self.ctx is not None:
+            flushed = self.ctx.flush()
+            if flushed is not None:
+                self._out["flushed"] = flushed
+        self._pending.extend(reply.get("assign") or ())
+        if self.ctx is None:
+            return False
+        self._admit()
+        if not self.ctx.has_work():
+            return bool(self._pending)
+        finished, sample = self.ctx.step()
+        if sample is not None:
+            self._out["steps"].append(list(sample))
+        for res in finished:
+            self._reported.pop(res["id"], None)
+            self._out["finished"].append(res)
+        if time.perf_counter() - self._last_progress >= self.progress_every_s:
+            self._report_progress()
+        return True
+
+    def _admit(self) -> None:
+        """Hand pending items to the context; an item that needs another weights version waits until the
+        context drains, then the context moves to that version (rollout replicas following the policy)."""
+        keep: list[dict[str, Any]] = []
+        for item in self._pending:
+            want = item["payload"].get("version")
+            if want is not None and want != self.ctx.version:
+                if self.ctx.has_work():
+                    keep.append(item)
+                    continue
+                t0 = time.perf_counter()
+                self.ctx.set_version(self.env, int(want))
+                self.shift_log.append(
+                    {
+                        "kind": "version",
+                        "role": self.role,
+                        "version": int(want),
+                        "seconds": time.perf_counter() - t0,
+                    }
+                )
+            self.ctx.add(item)
+            self._reported[item["id"]] = len(item.get("generated", ()))
+        self._pending = keep
+
+    def _report_progress(self) -> None:
+        self._last_progress = time.perf_counter()
+        for item_id, (toks, lps) in self.ctx.progress().items():
+            start = self._reported.get(item_id)
+            if start is None or len(toks) <= start:
+                continue
+            self._out["progress"][item_id] = [start, list(toks[start:]), list(lps[start:])]
+            self._reported[item_id] = len(toks)
+
+    def _abort(self, ids: list[str] | None) -> None:
+        pending_ids = {p["id"] for p in self._pending}
+        wanted = None if ids is None else set(ids)
+        back = [p for p in self._pending if wanted is None or p["id"] in wanted]
+        self._pending = [p for p in self._pending if p not in back]
+        parts = self.ctx.abort(None if ids is None else [i for i in ids if i not in pending_ids])
+        for res in back:
+            self._out["aborted"].append(
+                {"id": res["id"], "generated": res.get("generated", []), "logprobs": res.get("logprobs", [])}
+            )
+        for res in parts:
+            self._reported.pop(res["id"], None)
+            self._out["aborted"].append(res)
+
+    def _shift(self, cmd: dict[str, Any]) -> None:
+        """abort → offload → fetch → load → ready; every phase timed."""
+        timings: dict[str, float] = {}
+        t_start = time.perf_counter()
+        t = t_start
+        if self.ctx is not None:
+            flushed = self.ctx.flush()  # a train replica hands in its partial gradient sum first
+            if flushed is not None:
+                self._out["flushed"] = flushed
+            self._abort(None)
+        else:
+            self._pending.clear()
+        timings["abort"] = time.perf_counter() - t
+        self._sync()  # hand the aborted sequences back now, so other replicas resume them during our load
+        t = time.perf_counter()
+        if self.ctx is not None:
+            self.ctx.offload()
+            self.ctx = None
+        timings["offload"] = time.perf_counter() - t
+        spec = cmd["spec"]
+        ctx = None
+        timings["fetch"] = timings["load"] = 0.0
+        if cmd["role"] is not None:  # role None: the device only goes idle (its weights freed)
+            cls = resolve(spec.get("context") or self.contexts[cmd["role"]])
+            ctx = cls(cmd["role"], spec)
+            t = time.perf_counter()
+            state = ctx.fetch(self.env, spec.get("version"))
+            timings["fetch"] = time.perf_counter() - t
+            t = time.perf_counter()
+            ctx.load(self.env, state)
+            del state
+            timings["load"] = time.perf_counter() - t
+        timings["total"] = time.perf_counter() - t_start
+        self.ctx, self.role = ctx, cmd["role"]
+        self._reported.clear()
+        record = {"id": cmd["id"], "role": cmd["role"], "from": cmd.get("from"), "timings": timings}
+        self.shift_log.append(record)
+        self._out["shift_done"] = record

@@ -1,0 +1,122 @@
+"""The pipeline API without a cluster: stages stream per sample, per-group stages wait for their group,
+user stages slot in, samples with nothing to learn skip training, and every sample is trained once."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from pivotrl.config import PipelineConfig
+from pivotrl.engines.models import build_tokenizer
+from pivotrl.pipeline import (
+    AdvantageStage,
+    GenRMRewardStage,
+    Pipeline,
+    RolloutStage,
+    RuleVerifierStage,
+    Stage,
+    StageContext,
+    TrainStage,
+)
+from pivotrl.tasks import get_task
+
+
+class InlineSession:
+    """Runs each submitted item at once, the way a device of its role would: rollout answers the sorted
+    list for even sample indexes and garbage otherwise; the judge says yes to correct answers."""
+
+    def __init__(self, task, tok) -> None:
+        self.task, self.tok = task, tok
+        self.results: list[dict] = []
+        self.accumulated: list[str] = []
+        self.submitted: list[dict] = []
+        self.flushes = 0
+
+    def submit(self, items):
+        for it in items:
+            self.submitted.append(it)
+            p = it["payload"]
+            if it["role"] == "rollout":
+                k = int(it["id"].split(":")[-1].split("/")[0])
+                words = self.tok.decode(p["prompt_ids"][1:]).split("=")[0].split()
+                text = " ".join(sorted(w for w in words if w.isdigit()))
+                ids = self.tok.encode(text, add_special_tokens=False) if k % 2 == 0 else []
+                self.results.append(
+                    {"id": it["id"], "generated": ids, "logprobs": [-0.1] * len(ids), "finish_reason": "stop"}
+                )
+            elif it["role"] == "reward":
+                self.results.append(
+                    {"id": it["id"], "generated": self.tok.encode("verdict: yes", add_special_tokens=False)}
+                )
+            else:
+                self.accumulated.append(it["id"])
+
+    def flush(self, iteration):
+        self.flushes += 1
+        if self.accumulated:
+            self.results.append({"kind": "grad", "items": list(self.accumulated), "ref": None, "stats": {}})
+            self.accumulated = []
+
+    def collect(self):
+        out, self.results = self.results, []
+        return {"results": out, "events": [], "state": {}}
+
+
+class CountLong(Stage):
+    name = "count_long"
+
+    def run(self, samples, ctx):
+        for s in samples:
+            s.data["long"] = len(s.response_ids) > 3
+
+
+@pytest.fixture
+def setup():
+    tok = build_tokenizer()
+    task = get_task("sort", {"median": 3, "max_size": 6})
+    cfg = PipelineConfig.model_validate({"task": {"group_size": 4}})
+    return tok, task, cfg
+
+
+def test_pipeline_streams_stages_and_trains_every_sample_once(setup):
+    tok, task, cfg = setup
+    ctx = StageContext(tokenizer=tok, task=task, cfg=cfg)
+    sess = InlineSession(task, tok)
+    applied = []
+    stages = [RolloutStage(), GenRMRewardStage(), CountLong(), AdvantageStage(), TrainStage()]
+    pipe = Pipeline(stages, ctx, sess, lambda grads, it: applied.append((grads, it)) or 1)
+    samples = pipe.make_samples(0, task.sample(3, seed=1), 4, run_seed=0)
+    res = pipe.run_iteration(0, samples)
+    assert len(samples) == 12 and sess.flushes == 1
+    trained = [i for g in res.grads for i in g["items"]]
+    with_response = [s for s in samples if s.response_ids]
+    assert sorted(trained) == sorted(f"{s.uid}/train" for s in with_response)  # once each; empty ones skip
+    assert all(s.reward == 1.0 for s in samples)  # the GenRM stage parsed the judge's verdict
+    assert all("long" in s.data for s in samples)  # the user stage ran on every sample
+    assert all(abs(s.advantage) < 1e-6 for s in samples)  # equal rewards in a group: no signal
+    roles = [it["role"] for it in sess.submitted]
+    assert roles.count("rollout") == 12 and roles.count("reward") == 12 and roles.count("train") == 6
+    assert len({s.seed for s in samples}) == 12  # every sample samples with its own key
+
+
+def test_rule_verifier_stage_and_group_advantages(setup):
+    tok, task, cfg = setup
+    ctx = StageContext(tokenizer=tok, task=task, cfg=cfg)
+    sess = InlineSession(task, tok)
+    stages = [RolloutStage(), RuleVerifierStage(mix=1.0), AdvantageStage(), TrainStage()]
+    pipe = Pipeline(stages, ctx, sess, lambda grads, it: 1)
+    samples = pipe.make_samples(0, task.sample(2, seed=3), 4, run_seed=0)
+    pipe.run_iteration(0, samples)
+    for s in samples:  # even samples answered correctly, odd ones said nothing
+        assert s.reward == (1.0 if s.index % 2 == 0 else 0.0)
+        assert (s.advantage > 0) == (s.index % 2 == 0)
+
+
+def test_pipeline_rejects_bad_stage_lists(setup):
+    tok, task, cfg = setup
+    ctx = StageContext(tokenizer=tok, task=task, cfg=cfg)
+    with pytest.raises(ValueError, match="last stage"):
+        Pipeline([RolloutStage()], ctx, types.SimpleNamespace(), lambda g, i: 0)
+    with pytest.raises(ValueError, match="unique"):
+        Pipeline([RolloutStage(), RolloutStage(), TrainStage()], ctx, types.SimpleNamespace(), lambda g, i: 0)
