@@ -112,6 +112,8 @@ def worker_role_specs(cfg: PipelineConfig, paths: dict[str, Path], run_id: str) 
             "micro_batch": cfg.train.micro_batch,
             "max_batch": 2 * cfg.train.micro_batch,
             "clip_eps": cfg.train.clip_eps,
+            "kl_coef": cfg.train.kl_coef,
+            "ref_version": 0,  # the KL reference is the bootstrap policy, as in the single-process loop
             "temperature": 1.0,  # engines report raw-distribution log-probs (see pivotrl.loop)
             "pad_id": PAD_ID,
             "grad_prefix": "grad",
@@ -192,11 +194,6 @@ class Owner:
 
         self.cfg, self.gps = cfg, gps
         self.model = CausalLM.from_pretrained(policy_dir, dtype=getattr(torch, cfg.models.policy.dtype))
-        if cfg.train.kl_coef > 0:
-            raise UserError(
-                "train.kl_coef: a KL penalty needs reference log-probs on train replicas, which "
-                "the distributed runtime does not compute yet; use 0"
-            )
         self.trainer = make_trainer(cfg, self.model, PAD_ID)  # the single-process loop's owner, same settings
         self.last_stats: dict[str, Any] = {}
 
@@ -352,6 +349,7 @@ def run_pipeline(
     ):
         owner = Owner(cfg, paths["policy"], gps)
         owner.publish()  # version 0 of the policy
+        gps.pin(cfg.models.policy.name, 0)  # the KL reference and the baseline: never garbage-collected
         from pivotrl.engines.models import load_state_dict as load_hf
 
         gps.publish(cfg.models.genrm.name, 0, load_hf(paths["genrm"]))

@@ -194,11 +194,17 @@ class TrainContext(_Weights):
         self.done: list[str] = []
         self.micro_batch = int(spec.get("micro_batch", 8))
         self.max_batch = int(spec.get("max_batch", 4 * self.micro_batch))
+        self.kl_coef = float(spec.get("kl_coef", 0.0))
+        self.ref_model: Any = None
         self.env: Any = None
 
     def load(self, env: Any, state: dict[str, torch.Tensor]) -> None:
         self.env = env
         self.model = _build_model(self.spec, env.device, state)
+        if self.kl_coef > 0:  # the KL reference (an immutable GPS version) is part of this role's context
+            ref_version = int(self.spec.get("ref_version", 0))
+            ref_state = env.gps.fetch(self.spec["model"], ref_version, device=env.device)
+            self.ref_model = _build_model(self.spec, env.device, ref_state).eval().requires_grad_(False)
 
     def set_version(self, env: Any, version: int) -> None:
         if self.sum is not None:
@@ -206,7 +212,7 @@ class TrainContext(_Weights):
         self.model.load_state_dict(self.fetch(env, version))
 
     def offload(self) -> None:
-        self.model = None
+        self.model = self.ref_model = None
 
     def add(self, item: dict[str, Any]) -> None:
         self.queue.append(item)
@@ -235,6 +241,7 @@ class TrainContext(_Weights):
         t0 = time.perf_counter()
         loss = LossConfig(
             clip_eps=float(self.spec.get("clip_eps", 0.2)),
+            kl_coef=self.kl_coef,
             temperature=float(self.spec.get("temperature", 1.0)),
         )
         gs = compute_grad_sum(
@@ -243,6 +250,7 @@ class TrainContext(_Weights):
             pad_id=int(self.spec.get("pad_id", 0)),
             micro_batch=self.micro_batch,
             loss=loss,
+            ref_model=self.ref_model,
             version=int(self.version or 0),
         )
         self.sum = gs if self.sum is None else self.sum + gs

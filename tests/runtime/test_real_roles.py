@@ -124,7 +124,7 @@ models:
 task: {{name: sort, prompts_per_iteration: 4, group_size: 4, eval_prompts: 4}}
 rollout: {{sampling: {{max_new_tokens: 24}}, engine: {{max_batch: 16, kv_budget_tokens: 4096}}}}
 reward: {{sampling: {{max_new_tokens: 16}}, engine: {{max_batch: 16, kv_budget_tokens: 4096}}}}
-train: {{micro_batch: 8}}
+train: {{micro_batch: 8, kl_coef: 0.05}}
 cluster: {{dashboard_address: null}}
 scheduler: {{mode: colocated, tick_s: 0.1}}
 """)

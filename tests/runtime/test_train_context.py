@@ -1,0 +1,52 @@
+"""The train role's context computes exactly the trainer's gradient sum, KL-to-reference included."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from pivotrl.engines.model import CausalLM
+from pivotrl.engines.models import load_state_dict
+from pivotrl.engines.trainer import LossConfig, TrainSample, compute_grad_sum
+from pivotrl.runtime.roles import TrainContext
+
+
+class _Store:
+    """The two GPS calls a train context makes, over in-memory versions."""
+
+    def __init__(self, versions: dict[int, dict[str, torch.Tensor]]) -> None:
+        self.versions_ = versions
+
+    def fetch(self, model, version, device="cpu"):
+        return {k: v.clone() for k, v in self.versions_[version].items()}
+
+
+def test_kl_reference_comes_from_the_gps_and_matches_the_trainer(debug_model_dir):
+    torch.manual_seed(0)
+    ref_sd = load_state_dict(debug_model_dir)
+    cur_sd = {k: v + 0.01 * torch.randn_like(v) for k, v in ref_sd.items()}  # policy has moved from v0
+    env = SimpleNamespace(device="cpu", gps=_Store({0: ref_sd, 3: cur_sd}), name="w0")
+    spec = {"model": "policy", "hf_dir": str(debug_model_dir), "micro_batch": 4, "clip_eps": 0.2,
+            "kl_coef": 0.1, "ref_version": 0, "pad_id": 0, "version": 3}
+    ctx = TrainContext("train", spec)
+    ctx.load(env, cur_sd)
+    items = [
+        {"id": f"s{i}", "payload": {"prompt_ids": [1, 5 + i, 7], "response_ids": [9, 10 + i, 2],
+                                    "advantage": 0.5 - i * 0.3, "logprobs": None}}
+        for i in range(3)
+    ]
+    for it in items:
+        ctx.add(it)
+    ctx.step()
+
+    policy, ref = CausalLM.from_pretrained(debug_model_dir), CausalLM.from_pretrained(debug_model_dir)
+    policy.load_state_dict(cur_sd)
+    ref.load_state_dict(ref_sd)
+    samples = [TrainSample([1, 5 + i, 7], [9, 10 + i, 2], 0.5 - i * 0.3) for i in range(3)]
+    want = compute_grad_sum(policy, samples, pad_id=0, micro_batch=4,
+                            loss=LossConfig(clip_eps=0.2, kl_coef=0.1), ref_model=ref, version=3)
+    no_kl = compute_grad_sum(policy, samples, pad_id=0, micro_batch=4, loss=LossConfig(), version=3)
+    for name, g in want.grads.items():
+        torch.testing.assert_close(ctx.sum.grads[name], g, rtol=1e-4, atol=1e-6)
+    assert any(not torch.allclose(no_kl.grads[n], g) for n, g in want.grads.items())  # the KL term mattered
