@@ -36,6 +36,9 @@ class RunConfig(Section):
     name: str = "run"
     seed: int = 0
     iterations: int = Field(8, ge=1)
+    time_budget_s: float | None = Field(
+        None, gt=0, description="stop starting new iterations after this many seconds of training"
+    )
     storage_root: str = "storage"
 
 

@@ -398,7 +398,12 @@ def run_pipeline(
                 log(f"held-out accuracy of version 0: {acc0:.1f}%")
             meter = IterationMeter(session, log)
             bar = _progress_bar(cfg.run.iterations, progress)
+            budget = cfg.run.time_budget_s
+            t_iterations = time.monotonic()
             for it in range(cfg.run.iterations):
+                if budget is not None and it > 0 and time.monotonic() - t_iterations >= budget:
+                    log(f"run.time_budget_s={budget:g} reached after {it} iterations; finishing the run")
+                    break
                 problems = train_problems(task, cfg.task.prompts_per_iteration, cfg.run.seed, it)
                 samples = pipeline.make_samples(it, problems, cfg.task.group_size, cfg.run.seed)
                 session.begin_iteration(meter.iteration_plan(it, samples, cfg))
