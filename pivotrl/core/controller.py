@@ -75,6 +75,7 @@ class Controller:
     def begin_iteration(self, plan: IterationPlan, now: float) -> None:
         """Tell the planner the iteration's structure (so future work counts), and reset its counters."""
         self.state.plan = plan
+        self.state.iteration_started_at = now
         for r in self.state.roles:
             self.state.submitted[r] = 0
             self.state.finished[r] = 0
@@ -187,6 +188,7 @@ class Controller:
             rep = st.replicas[rid]
             for d in rep.devices:
                 origin[d] = (rep.role, rid)
+            st.record_donation(rep.role, now, 1)
         aborts, assignments = dispatcher.shift_down(st, list(plan.dissolve))
         shifts: list[ReplicaShift] = []
         for role, devices in plan.form:
