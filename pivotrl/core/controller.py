@@ -75,7 +75,6 @@ class Controller:
     def begin_iteration(self, plan: IterationPlan, now: float) -> None:
         """Tell the planner the iteration's structure (so future work counts), and reset its counters."""
         self.state.plan = plan
-        self.state.iteration_started_at = now
         for r in self.state.roles:
             self.state.submitted[r] = 0
             self.state.finished[r] = 0

@@ -39,7 +39,6 @@ class ClusterState:
         # (time, replicas) each role gave up in shifts: the planner bounds an upstream role's *cumulative*
         # donation over a horizon, so a per-decision slack cannot compound across consecutive ticks.
         self.donations: dict[Role, list[tuple[float, int]]] = {r: [] for r in self.roles}
-        self.iteration_started_at: float = float("inf")
         # Aggregates per role over live (waiting + running) sequences.
         self.n_seqs: dict[Role, int] = dict.fromkeys(self.roles, 0)
         self.remaining: dict[Role, float] = dict.fromkeys(self.roles, 0.0)
