@@ -222,8 +222,9 @@ def keep_limit(views: dict[Role, RoleView], role: Role | None, to_role: Role | N
       thinly). Everything
       downstream waits on upstream output, so while rollout can keep its devices busy, taking them only
       delays the whole iteration; its tail's spare capacity is what flows downstream.
-    * Within one cooldown an upstream role gives up at most max(`rate` × the replicas it had, `floor`)
-      replicas it could keep busy (a bound that does not trust the fit; see ControllerConfig.upstream_rate).
+    * Within one cooldown a role two stages upstream (rollout for train) gives up at most
+      max(`rate` × the replicas it had, `floor`) replicas it could keep busy (a bound that does not trust
+      the fit; see ControllerConfig.upstream_rate).
     * A downstream donor gives up no more than keeps it from becoming the new bottleneck: its drain time
       τ_d(m_d − k) may only grow up to the receiver's with one more replica, τ_u(m_u + 1).
     """
@@ -252,9 +253,11 @@ def keep_limit(views: dict[Role, RoleView], role: Role | None, to_role: Role | N
     upstream = role in PIPELINE and to_role in PIPELINE and PIPELINE.index(role) < PIPELINE.index(to_role)
     if upstream:
         ok = spare
-        # Rate limit, independent of the throughput fit: within a cooldown an upstream role gives up at
-        # most `rate` of the replicas it had (at least `floor`), beyond replicas it cannot keep busy.
-        ok = ok & ((ref_m - ms <= max(rate * ref_m, floor)) | (ms >= v.seqs + v.arriving_seqs))
+        # Rate limit, independent of the throughput fit: within a cooldown a role two stages upstream
+        # (rollout for train) gives up at most `rate` of the replicas it had (at least `floor`), beyond
+        # replicas it cannot keep busy. (Applied to rollout -> reward too it cost reward-heavy-512 7 %.)
+        if PIPELINE.index(to_role) - PIPELINE.index(role) >= 2:
+            ok = ok & ((ref_m - ms <= max(rate * ref_m, floor)) | (ms >= v.seqs + v.arriving_seqs))
     else:
         vu = views[to_role]
         tau_u = (vu.work + vu.arriving_work) / max(vu.throughput(vu.replicas + 1), 1e-300)

@@ -154,7 +154,7 @@ class ControllerConfig:
     max_shift_fraction: at most this fraction of the devices move in one decision.
     upstream_slack: a role upstream of the shift-up role gives up only replicas costing it at most this
         fraction of its throughput (its spare capacity): upstream output gates everything downstream.
-    upstream_rate, upstream_rate_floor: within one `cooldown_s` an upstream role gives up at most
+    upstream_rate, upstream_rate_floor: within one `cooldown_s` rollout gives train at most
         max(upstream_rate × the replicas it had, upstream_rate_floor) replicas it could keep busy. The slack
         is judged by the throughput fit, which in a stage's first minute has not seen step time grow with
         context; without this bound the 512-GPU sweep moved a third of rollout in one decision and
