@@ -187,6 +187,7 @@ class Controller:
             rep = st.replicas[rid]
             for d in rep.devices:
                 origin[d] = (rep.role, rid)
+            st.record_donation(rep.role, now, 1)
         aborts, assignments = dispatcher.shift_down(st, list(plan.dissolve))
         shifts: list[ReplicaShift] = []
         for role, devices in plan.form:

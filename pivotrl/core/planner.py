@@ -61,6 +61,7 @@ class RoleView:
     cap: float             # sequences per replica (slots, and KV at the role's mean footprint)
     weight: float          # device-seconds per token at peak
     horizon: float
+    donated: int = 0       # replicas this role gave up in shifts within the last cooldown_s
 
     def throughput(self, m: float) -> float:
         """Tokens/s of `m` replicas holding this role's sequences, spread evenly (role-shared fit)."""
@@ -110,7 +111,7 @@ class RoleView:
         return total * -np.expm1(-thr * self.horizon / total) * self.weight
 
 
-def role_views(state: ClusterState, horizon: float) -> dict[Role, RoleView]:
+def role_views(state: ClusterState, horizon: float, now: float = 0.0) -> dict[Role, RoleView]:
     cfg = state.config
     base: dict[Role, dict] = {}
     for role in state.roles:
@@ -130,7 +131,8 @@ def role_views(state: ClusterState, horizon: float) -> dict[Role, RoleView]:
         base[role] = dict(role=role, g=spec.devices_per_replica, replicas=len(reps), rate=rate, seqs=float(n),
                           work=max(state.remaining[role], 0.0), a=model.a, b=model.b,
                           k=model.tokens_per_seq_step, cap=cap,
-                          weight=spec.devices_per_replica / peak if peak > 0 else 0.0, horizon=horizon)
+                          weight=spec.devices_per_replica / peak if peak > 0 else 0.0, horizon=horizon,
+                          donated=state.donated_since(role, now - cfg.cooldown_s))
     _add_upstream(state, base, horizon)
     return {r: RoleView(**v) for r, v in base.items()}
 
@@ -210,7 +212,7 @@ def tau(views: dict[Role, RoleView]) -> dict[Role, float]:
 
 
 def keep_limit(views: dict[Role, RoleView], role: Role | None, to_role: Role | None = None,
-               slack: float = 0.1) -> int:
+               slack: float = 0.1, rate: float = 1.0, floor: float = 0.0) -> int:
     """How many replicas role `role` may give up to `to_role`.
 
     * All but one while it has (or is about to get) work, so a plan never strands sequences.
@@ -220,6 +222,9 @@ def keep_limit(views: dict[Role, RoleView], role: Role | None, to_role: Role | N
       thinly). Everything
       downstream waits on upstream output, so while rollout can keep its devices busy, taking them only
       delays the whole iteration; its tail's spare capacity is what flows downstream.
+    * Within one cooldown a role two stages upstream (rollout for train) gives up at most
+      max(`rate` × the replicas it had, `floor`) replicas it could keep busy (a bound that does not trust
+      the fit; see ControllerConfig.upstream_rate).
     * A downstream donor gives up no more than keeps it from becoming the new bottleneck: its drain time
       τ_d(m_d − k) may only grow up to the receiver's with one more replica, τ_u(m_u + 1).
     """
@@ -239,11 +244,20 @@ def keep_limit(views: dict[Role, RoleView], role: Role | None, to_role: Role | N
     # (Measured against an absolute "unloaded step" instead, rollout kept every device until its very
     # tail and the paper-32gpu simulation lost the overlap: 340 s vs 295 s per iteration.)
     step = v.step_many(ms)
+    # (Measured against the allocation before the last cooldown's donations, or the iteration's, the slack
+    # cost 2-9 % on the paper config and 8-GPU points: compounding per tick is what small clusters want;
+    # the count bound below is what stops it at scale.)
     spare = ((ms * v.cap >= v.seqs + v.arriving_seqs) & (thr >= thr[0] * (1 - slack))
              & (step <= step[0] * (1 + slack)))
+    ref_m = v.replicas + v.donated
     upstream = role in PIPELINE and to_role in PIPELINE and PIPELINE.index(role) < PIPELINE.index(to_role)
     if upstream:
         ok = spare
+        # Rate limit, independent of the throughput fit: within a cooldown a role two stages upstream
+        # (rollout for train) gives up at most `rate` of the replicas it had (at least `floor`), beyond
+        # replicas it cannot keep busy. (Applied to rollout -> reward too it cost reward-heavy-512 7 %.)
+        if PIPELINE.index(to_role) - PIPELINE.index(role) >= 2:
+            ok = ok & ((ref_m - ms <= max(rate * ref_m, floor)) | (ms >= v.seqs + v.arriving_seqs))
     else:
         vu = views[to_role]
         tau_u = (vu.work + vu.arriving_work) / max(vu.throughput(vu.replicas + 1), 1e-300)
@@ -302,7 +316,7 @@ def plan(state: ClusterState, costs: ShiftCostModel, now: float) -> PlanResult:
     clears the margin wins. (A role can be furthest behind yet unable to use a device — a tail of fewer
     sequences than replicas — in which case the next role in τ order gets the devices.)"""
     cfg = state.config
-    views = role_views(state, cfg.horizon_s)
+    views = role_views(state, cfg.horizon_s, now)
     taus = tau(views)
     work = {str(r): v.work for r, v in views.items()}
     thr = {str(r): v.rate for r, v in views.items()}
@@ -401,7 +415,8 @@ def plan_for(state: ClusterState, costs: ShiftCostModel, views: dict[Role, RoleV
     layer_phi: list[np.ndarray] = []
     for pool, _, phi_sorted in layers:
         g = pool.g
-        kmax = min(len(pool.ids), max_x // g, keep_limit(views, pool.role, u, cfg.upstream_slack))
+        kmax = min(len(pool.ids), max_x // g, keep_limit(views, pool.role, u, cfg.upstream_slack,
+                                                                cfg.upstream_rate, cfg.upstream_rate_floor))
         phi = np.concatenate([[0.0], np.cumsum(phi_sorted[:kmax])])
         ks = np.arange(kmax + 1)
         if pool.role is None:

@@ -36,6 +36,9 @@ class ClusterState:
         self.device_role: dict[str, Role | None] = {}
         self.device_replica: dict[str, str | None] = {}
         self.device_shifted_at: dict[str, float] = {}
+        # (time, replicas) each role gave up in shifts: the planner bounds an upstream role's *cumulative*
+        # donation over a horizon, so a per-decision slack cannot compound across consecutive ticks.
+        self.donations: dict[Role, list[tuple[float, int]]] = {r: [] for r in self.roles}
         # Aggregates per role over live (waiting + running) sequences.
         self.n_seqs: dict[Role, int] = dict.fromkeys(self.roles, 0)
         self.remaining: dict[Role, float] = dict.fromkeys(self.roles, 0.0)
@@ -89,6 +92,18 @@ class ClusterState:
             self.device_role[d] = role
             self.device_replica[d] = rid
         return rep
+
+    def record_donation(self, role: Role, now: float, replicas: int) -> None:
+        self.donations.setdefault(role, []).append((now, replicas))
+
+    def donated_since(self, role: Role, since: float) -> int:
+        """Replicas `role` gave up in shifts after `since` (older records are dropped)."""
+        recs = self.donations.get(role)
+        if not recs:
+            return 0
+        while recs and recs[0][0] <= since:
+            recs.pop(0)
+        return sum(k for _, k in recs)
 
     def remove_replica(self, rid: str) -> Replica:
         """Dissolve an (empty) replica; its devices become free (and keep their last role for the record)."""

@@ -154,6 +154,12 @@ class ControllerConfig:
     max_shift_fraction: at most this fraction of the devices move in one decision.
     upstream_slack: a role upstream of the shift-up role gives up only replicas costing it at most this
         fraction of its throughput (its spare capacity): upstream output gates everything downstream.
+    upstream_rate, upstream_rate_floor: within one `cooldown_s` rollout gives train at most
+        max(upstream_rate × the replicas it had, upstream_rate_floor) replicas it could keep busy. The slack
+        is judged by the throughput fit, which in a stage's first minute has not seen step time grow with
+        context; without this bound the 512-GPU sweep moved a third of rollout in one decision and
+        stretched iteration 0's rollout from 208 s to 354 s. The floor keeps small clusters (where a
+        replica is a large fraction) as free as before.
     kv_reserve: "budget" reserves prompt + max_new_tokens per sequence (a replica can never overflow);
         "expected" reserves prompt + expected length (more concurrency; the engine must preempt on overflow,
         as vLLM/SGLang do).
@@ -170,6 +176,8 @@ class ControllerConfig:
     max_shift_fraction: float = 1.0
     kv_reserve: str = "budget"
     upstream_slack: float = 0.1
+    upstream_rate: float = 0.2
+    upstream_rate_floor: int = 16
 
     def __post_init__(self) -> None:
         if self.kv_reserve not in ("budget", "expected"):

@@ -359,3 +359,24 @@ def test_tau_and_upstream_work_in_views() -> None:
     assert t[Role.REWARD] == 0.0 and t[Role.TRAIN] == 0.0  # no work of their own yet
     stt.by_role[Role.ROLLOUT].clear()  # work and no replica: infinitely behind
     assert tau(role_views(stt, 10.0))[Role.ROLLOUT] == math.inf
+
+
+def test_upstream_donations_are_rate_limited_per_cooldown() -> None:
+    """However flat the fit looks, rollout (two stages upstream of train) gives train at most
+    max(rate × its replicas, floor) busy replicas per cooldown (of the replicas it had: donations made
+    count), but every replica it cannot keep busy."""
+    from pivotrl.core.planner import RoleView, keep_limit
+
+    def view(seqs: float, donated: int) -> RoleView:
+        return RoleView(Role.ROLLOUT, 1, 100, 1.0, seqs, seqs * 100, 0.0, 0.0, a=1.0, b=1e-9, k=1.0,
+                        cap=256.0, weight=1.0, horizon=10.0, donated=donated)
+
+    train = RoleView(Role.TRAIN, 1, 1, 1.0, 10.0, 1000.0, 0.0, 0.0, a=1.0, b=1e-3, k=1.0, cap=256.0,
+                     weight=1.0, horizon=10.0)
+    for seqs, donated, want in ((6400.0, 0, 20), (6400.0, 15, 8), (6400.0, 30, 0), (30.0, 30, 70)):
+        views = {Role.ROLLOUT: view(seqs, donated), Role.TRAIN: train}
+        assert keep_limit(views, Role.ROLLOUT, Role.TRAIN, 0.1, 0.2, 16) == want
+    views = {Role.ROLLOUT: view(6400.0, 0), Role.TRAIN: train, Role.REWARD: train}
+    assert keep_limit(views, Role.ROLLOUT, Role.TRAIN, 0.1) == 75   # no rate limit: 25 replicas hold all
+    # to the next stage (reward) only the slack applies
+    assert keep_limit(views, Role.ROLLOUT, Role.REWARD, 0.1, 0.2, 16) == 75
