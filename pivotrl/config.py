@@ -112,6 +112,16 @@ class RewardConfig(Section):
     sampling: SamplingConfig = SamplingConfig(temperature=0.0, max_new_tokens=96)
     engine: EngineConfig = EngineConfig()
     default_reward: float = Field(0.0, description="reward of an unparseable judgment")
+    truncated_reward: float | None = Field(
+        None,
+        description="reward of a rollout cut off at its token budget (DAPO overlong); None: judge it",
+    )
+    budget_per_item: int = Field(
+        0,
+        ge=0,
+        description="rollout budget per prompt item (tokens); 0: the fixed rollout.sampling.max_new_tokens",
+    )
+    budget_slack: int = Field(2, ge=0, description="extra tokens of the per-prompt rollout budget")
     sft: SFTConfig = SFTConfig(steps=1200, batch_size=64)
 
 
@@ -124,6 +134,7 @@ class TrainConfig(Section):
     grad_clip: float = Field(1.0, gt=0.0)
     weight_decay: float = Field(0.0, ge=0.0)
     warmup_steps: int = Field(0, ge=0, description="linear learning-rate warm-up, in optimizer steps")
+    minibatches: int = Field(1, ge=1, description="optimizer steps per iteration, on disjoint sample slices")
     sft: SFTConfig = SFTConfig(steps=200, batch_size=64)
 
 

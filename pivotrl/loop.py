@@ -12,6 +12,7 @@ verifier only measures, it never rewards), response and critique lengths, KL, an
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import time
 from collections.abc import Callable, Sequence
@@ -79,8 +80,35 @@ def decode_response(tokenizer, ids: Sequence[int]) -> str:
     return tokenizer.decode(ids, skip_special_tokens=True)
 
 
+def prompt_items(prompt: str) -> int:
+    """Items of a task prompt (``sort 3 9 1 3=`` → 4): the words between the task word and ``=``."""
+    body = prompt.rsplit("=", 1)[0].split(None, 1)
+    return len(body[1].split()) if len(body) > 1 else 0
+
+
+def response_budget(problem: Problem, cap: int, per_item: int = 0, slack: int = 2) -> int:
+    """The rollout's token budget for one prompt: ``per_item`` × items + ``slack``, at most ``cap``.
+
+    Why per prompt: an answer to an n-item prompt needs about ``per_item`` × n tokens, so a fixed budget
+    sized for the longest prompt lets short prompts ramble — the room a policy uses to exploit a judge
+    (observed: responses grew 6.5 → 11.6 tokens as judge/verifier agreement fell). The budget is an
+    environment constraint derived from the prompt alone, never from the answer or the verifier.
+    """
+    if per_item <= 0:
+        return cap
+    return max(1, min(cap, per_item * prompt_items(problem.prompt) + slack))
+
+
 def rollout_requests(
-    tokenizer, problems: Sequence[Problem], group_size: int, sampling_cfg, *, run_seed: int, iteration: int
+    tokenizer,
+    problems: Sequence[Problem],
+    group_size: int,
+    sampling_cfg,
+    *,
+    run_seed: int,
+    iteration: int,
+    budget_per_item: int = 0,
+    budget_slack: int = 2,
 ) -> list[tuple[Any, Problem, str, int]]:
     """(GenRequest, problem, group, sample index) for every sample of every prompt of an iteration."""
     from pivotrl.engines.generation import GenRequest
@@ -89,12 +117,13 @@ def rollout_requests(
     for p in problems:
         ids = tokenizer.encode(p.prompt)
         group = f"{iteration}:{p.uid}"
+        budget = response_budget(p, sampling_cfg.max_new_tokens, budget_per_item, budget_slack)
         for k in range(group_size):
             seed = seq_seed("rollout", run_seed, iteration, p.uid, k)
             sp = _sampling(
                 sampling_cfg.temperature,
                 sampling_cfg.top_p,
-                sampling_cfg.max_new_tokens,
+                budget,
                 tokenizer.eos_token_id,
                 seed,
             )
@@ -163,9 +192,18 @@ def rollout_stage(
     *,
     run_seed: int,
     iteration: int,
+    budget_per_item: int = 0,
+    budget_slack: int = 2,
 ) -> tuple[list[Rollout], StageTiming]:
     items = rollout_requests(
-        tokenizer, problems, group_size, sampling_cfg, run_seed=run_seed, iteration=iteration
+        tokenizer,
+        problems,
+        group_size,
+        sampling_cfg,
+        run_seed=run_seed,
+        iteration=iteration,
+        budget_per_item=budget_per_item,
+        budget_slack=budget_slack,
     )
     t0 = time.perf_counter()
     results = _run(engine, [it[0] for it in items])
@@ -204,12 +242,21 @@ def engine_generate_fn(engine, tokenizer, sampling_cfg, *, run_seed: int, tag: s
     return generate
 
 
-def reward_stage(judge: GenRMJudge, rollouts: Sequence[Rollout]) -> tuple[list[Judgment], StageTiming]:
-    """Judge every rollout with the GenRM and attach its reward. The verifier is not consulted."""
+def reward_stage(
+    judge: GenRMJudge, rollouts: Sequence[Rollout], truncated_reward: float | None = None
+) -> tuple[list[Judgment], StageTiming]:
+    """Judge every rollout with the GenRM and attach its reward. The verifier is not consulted.
+
+    With ``truncated_reward`` set, a rollout that hit its token budget (finish reason ``length``) gets that
+    reward instead of the judge's verdict (DAPO's overlong filtering): an unfinished answer is never
+    accepted, so running long cannot pay — whatever the judge would have said.
+    """
     t0 = time.perf_counter()
     judgments = judge.judge([r.problem for r in rollouts], [r.text for r in rollouts])
     timing = StageTiming(time.perf_counter() - t0, sum(j.tokens for j in judgments))
     for r, j in zip(rollouts, judgments, strict=True):
+        if truncated_reward is not None and r.finish_reason == "length":
+            j.reward = truncated_reward
         r.reward, r.judge_text, r.judge_tokens = j.reward, j.text, j.tokens
     return judgments, timing
 
@@ -225,11 +272,21 @@ def train_samples(rollouts: Sequence[Rollout]) -> list[TrainSample]:
     ]
 
 
-def train_stage(trainer: GRPOTrainer, rollouts: Sequence[Rollout]) -> tuple[StepStats, StageTiming]:
+def train_stage(
+    trainer: GRPOTrainer, rollouts: Sequence[Rollout], minibatches: int = 1
+) -> tuple[StepStats, StageTiming]:
+    """One GRPO step on the iteration's samples, or ``minibatches`` steps on disjoint slices of them (PPO's
+    mini-batch updates: more optimizer steps per generated sample; the clipped ratio against the rollout
+    log-probs keeps the later, slightly off-policy steps safe). Returns the last step's stats."""
     samples = train_samples(rollouts)
     t0 = time.perf_counter()
-    stats = trainer.step(samples)
-    return stats, StageTiming(time.perf_counter() - t0, stats.tokens)
+    k = max(1, min(minibatches, len(samples)))
+    bounds = [round(i * len(samples) / k) for i in range(k + 1)]
+    tokens = 0
+    for a, b in itertools.pairwise(bounds):
+        stats = trainer.step(samples[a:b])
+        tokens += stats.tokens
+    return stats, StageTiming(time.perf_counter() - t0, tokens)
 
 
 def evaluate(
@@ -387,10 +444,12 @@ def run_loop(
             cfg.rollout.sampling,
             run_seed=cfg.run.seed,
             iteration=it,
+            budget_per_item=cfg.reward.budget_per_item,
+            budget_slack=cfg.reward.budget_slack,
         )
         unparsed_before = judge.counters.unparsed
-        judgments, t_rew = reward_stage(judge, rollouts)
-        stats, t_train = train_stage(trainer, rollouts)
+        judgments, t_rew = reward_stage(judge, rollouts, cfg.reward.truncated_reward)
+        stats, t_train = train_stage(trainer, rollouts, cfg.train.minibatches)
         rollout_engine.load_state_dict(policy.state_dict())  # the new version goes to the rollout replica
         elapsed = time.perf_counter() - t_start
         last = it == total or (time_budget_s is not None and elapsed >= time_budget_s)

@@ -129,3 +129,56 @@ def test_run_loop_logs_every_stage_and_publishes_versions(setup, tmp_path):
     assert (tmp_path / "out" / "loop.json").is_file()
     assert L.load_policy(tmp_path / "out" / "policy").config.hidden_size == TINY["hidden_size"]
     assert 0 <= h.unparsed <= cfg.task.prompts_per_iteration * cfg.task.group_size
+
+
+def test_response_budget_is_per_prompt_and_capped():
+    task = get_task("sort", {"max_size": 10})
+    p = task.make([3, 9, 1, 3], uid="x")
+    assert L.prompt_items(p.prompt) == 4
+    assert L.response_budget(p, cap=24) == 24  # off by default: the fixed cap
+    assert L.response_budget(p, cap=24, per_item=2, slack=2) == 10
+    assert L.response_budget(p, cap=8, per_item=2, slack=2) == 8
+    assert len(p.answer) + 1 <= L.response_budget(p, cap=24, per_item=2, slack=2)  # a right answer fits
+
+
+def test_budgeted_rollouts_stop_at_their_budget_and_truncation_earns_the_minimum(setup):
+    cfg, boot = setup
+    tok = build_tokenizer()
+    task = get_task(cfg.task.name, cfg.task.options)
+    engine = L.make_engine(L.load_policy(boot.policy_dir), cfg.rollout.engine)
+    problems = L.train_problems(task, 3, 0, 1)
+    rollouts, _ = L.rollout_stage(
+        engine,
+        tok,
+        problems,
+        3,
+        cfg.rollout.sampling,
+        run_seed=0,
+        iteration=1,
+        budget_per_item=1,
+        budget_slack=0,
+    )
+    for r in rollouts:
+        assert len(r.response_ids) <= L.prompt_items(r.problem.prompt)
+    rollouts[0].finish_reason, rollouts[1].finish_reason = "length", "stop"
+    yes = GenRMJudge(lambda prompts: [("verdict: yes", 3, "stop")] * len(prompts))
+    judgments, _ = L.reward_stage(yes, rollouts[:2], truncated_reward=-1.0)
+    assert [r.reward for r in rollouts[:2]] == [-1.0, 1.0] and judgments[0].reward == -1.0
+    L.reward_stage(yes, rollouts[:2])  # without the option the judge's verdict stands
+    assert [r.reward for r in rollouts[:2]] == [1.0, 1.0]
+
+
+def test_train_stage_minibatches_take_one_step_per_slice(setup):
+    cfg, boot = setup
+    tok = build_tokenizer()
+    task = get_task(cfg.task.name, cfg.task.options)
+    engine = L.make_engine(L.load_policy(boot.policy_dir), cfg.rollout.engine)
+    rollouts, _ = L.rollout_stage(
+        engine, tok, L.train_problems(task, 2, 0, 1), 4, cfg.rollout.sampling, run_seed=0, iteration=1
+    )
+    for i, r in enumerate(rollouts):
+        r.reward = float(i % 2)
+    trainer = GRPOTrainer(L.load_policy(boot.policy_dir), pad_id=tok.pad_token_id, lr=1e-2, micro_batch=3)
+    stats, timing = L.train_stage(trainer, rollouts, minibatches=2)
+    assert trainer.version == 2 and stats.version == 2
+    assert timing.tokens == sum(len(r.response_ids) for r in rollouts if r.response_ids)
