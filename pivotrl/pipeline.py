@@ -110,15 +110,21 @@ class RolloutStage(Stage):
         self.expected_tokens = expected_tokens
 
     def request(self, sample: Sample, ctx: StageContext) -> dict[str, Any]:
+        from pivotrl.loop import response_budget
+
         s = ctx.cfg.rollout.sampling
+        r = ctx.cfg.reward  # per-prompt budget (DAPO-style overlong handling), as in the single-process loop
+        budget = response_budget(sample.problem, s.max_new_tokens, r.budget_per_item, r.budget_slack)
+        sampling = sampling_payload(s, sample.seed, ctx.tokenizer.eos_token_id)
+        sampling["max_new_tokens"] = budget
         return {
             "payload": {
                 "prompt_ids": sample.prompt_ids,
-                "sampling": sampling_payload(s, sample.seed, ctx.tokenizer.eos_token_id),
+                "sampling": sampling,
                 "version": ctx.policy_version,
             },
             "prompt_tokens": len(sample.prompt_ids),
-            "max_new_tokens": s.max_new_tokens,
+            "max_new_tokens": budget,
             "est_tokens": self.expected_tokens or s.max_new_tokens // 2,
         }
 
@@ -142,7 +148,13 @@ class GenRMRewardStage(Stage):
         self.template = JudgeTemplate()
         self.expected_tokens = expected_tokens
 
-    def request(self, sample: Sample, ctx: StageContext) -> dict[str, Any]:
+    def request(self, sample: Sample, ctx: StageContext) -> dict[str, Any] | None:
+        truncated = ctx.cfg.reward.truncated_reward
+        if truncated is not None and sample.finish_reason == "length":
+            # overran its budget: the minimum reward, without spending a judge call on it
+            sample.reward = float(truncated)
+            ctx.counters["truncated"] = ctx.counters.get("truncated", 0) + 1
+            return None
         ids = ctx.encode(self.template.prompt(sample.problem.prompt, sample.response_text))
         s = ctx.cfg.reward.sampling
         return {

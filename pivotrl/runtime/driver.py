@@ -386,6 +386,11 @@ def run_pipeline(
                 from pivotrl.runtime.dashboard import register_dashboard
 
                 register_dashboard(handle.client)
+            if cfg.train.minibatches > 1:
+                log(
+                    f"note: train.minibatches={cfg.train.minibatches} is a single-process-loop setting; the "
+                    "distributed runtime takes one optimizer step per iteration over all its gradient sums"
+                )
             log(
                 f"run {run_id}: mode={mode}, {n_dev} device workers, {cfg.run.iterations} iterations, "
                 f"{cfg.task.prompts_per_iteration}×{cfg.task.group_size} samples/iteration"

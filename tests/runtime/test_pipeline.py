@@ -15,6 +15,7 @@ from pivotrl.pipeline import (
     Pipeline,
     RolloutStage,
     RuleVerifierStage,
+    Sample,
     Stage,
     StageContext,
     TrainStage,
@@ -120,3 +121,22 @@ def test_pipeline_rejects_bad_stage_lists(setup):
         Pipeline([RolloutStage()], ctx, types.SimpleNamespace(), lambda g, i: 0)
     with pytest.raises(ValueError, match="unique"):
         Pipeline([RolloutStage(), RolloutStage(), TrainStage()], ctx, types.SimpleNamespace(), lambda g, i: 0)
+
+
+def test_overlong_budget_and_truncated_reward_skip_the_judge(setup):
+    """The runtime's stages apply the single-process loop's DAPO-style overlong handling."""
+    tok, task, cfg = setup
+    cfg = PipelineConfig.model_validate(
+        {"reward": {"budget_per_item": 2, "budget_slack": 2, "truncated_reward": -1.0},
+         "rollout": {"sampling": {"max_new_tokens": 24}}}
+    )
+    ctx = StageContext(tokenizer=tok, task=task, cfg=cfg)
+    problem = task.make([3, 1, 2], uid="p")
+    sample = Sample(uid="s", iteration=0, group="g", problem=problem, prompt_ids=ctx.encode(problem.prompt))
+    req = RolloutStage().request(sample, ctx)
+    assert req["max_new_tokens"] == 8 and req["payload"]["sampling"]["max_new_tokens"] == 8  # 2 × 3 items + 2
+    judge = GenRMRewardStage()
+    sample.finish_reason, sample.response_text = "length", "1 2 3 3 3"
+    assert judge.request(sample, ctx) is None and sample.reward == -1.0 and ctx.counters["truncated"] == 1
+    sample.finish_reason, sample.reward = "stop", None
+    assert judge.request(sample, ctx) is not None and sample.reward is None
