@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from pivotrl.config import PipelineConfig, load_config
+from pivotrl.config import PipelineConfig, add_override_argument, load_config
 from pivotrl.engines.bootstrap import corrupt_answer, ensure_bootstrap
 from pivotrl.engines.genrm import GenRMJudge, JudgeTemplate
 from pivotrl.engines.models import build_tokenizer
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--parallel-seeds", action="store_true", help="run the seeds side by side, one process each"
     )
-    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    add_override_argument(ap)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     seeds = args.seeds or [0]

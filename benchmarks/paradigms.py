@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pivotrl.config import add_override_argument
+
 GROUPINGS: dict[str, list[list[str]]] = {
     "rollout+train|reward": [["rollout", "train"], ["reward"]],
     "rollout+reward|train": [["rollout", "reward"], ["train"]],
@@ -129,14 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         help="default: debug with --quick (the 2-core box is shared), small otherwise",
     )
     ap.add_argument("--modes", default="colocated,disaggregated,shiftable", help=argparse.SUPPRESS)
-    ap.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a workload field for every paradigm, e.g. scheduler.cooldown_s=3",
-    )
+    add_override_argument(ap, "scheduler.cooldown_s=3")  # applied to every paradigm
     ap.add_argument("--storage", type=Path, default=Path("storage/bench"))
     args = ap.parse_args(argv)
     for name in ("distributed", "distributed.worker", "distributed.scheduler", "distributed.nanny"):

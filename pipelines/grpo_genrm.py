@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pivotrl.config import load_config
+from pivotrl.config import add_override_argument, load_config
 from pivotrl.errors import UserError
 from pivotrl.pipeline import (
     AdvantageStage,
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mode", choices=["colocated", "disaggregated", "shiftable"])
     ap.add_argument("--workers", type=int)
     ap.add_argument("--scheduler")
-    ap.add_argument("--set", dest="overrides", action="append", default=[])
+    add_override_argument(ap)
     ap.add_argument("--verifier-mix", type=float, default=0.0, help="weight of a rule-based verifier reward")
     ap.add_argument("--length-penalty", type=float, default=0.0)
     args = ap.parse_args(argv)

@@ -213,6 +213,18 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     return data
 
 
+def add_override_argument(parser: Any, example: str = "train.lr=1e-4") -> None:
+    """The repeatable `--set KEY=VALUE` flag every command shares; values land in `args.overrides`."""
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help=f"override a config field, e.g. {example} (repeatable)",
+    )
+
+
 def apply_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
     """Apply `a.b.c=value` overrides in place; values are parsed as YAML scalars (so `3`, `0.1`, `true`)."""
     for item in overrides:

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from pivotrl.config import PipelineConfig, SFTConfig, load_config
+from pivotrl.config import PipelineConfig, SFTConfig, add_override_argument, load_config
 from pivotrl.engines.genrm import JudgeTemplate
 from pivotrl.errors import UserError
 from pivotrl.tasks import Problem, Task, get_task, normalize
@@ -337,14 +337,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "config", help="pipeline YAML (task, models, train.sft, reward.sft, run.storage_root)"
     )
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config field, e.g. reward.sft.steps=600 (repeatable)",
-    )
+    add_override_argument(parser, "reward.sft.steps=600")
     parser.add_argument("--force", action="store_true", help="retrain even when a cached model exists")
     parser.add_argument("--serial", action="store_true", help="train the two models one after the other")
 

@@ -11,6 +11,7 @@ import argparse
 import logging
 import sys
 
+from pivotrl.config import add_override_argument
 from pivotrl.errors import UserError
 
 
@@ -27,14 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--scheduler", metavar="ADDR", help="connect to an existing Dask scheduler, tcp://host:port"
     )
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config field, e.g. --set train.lr=1e-4 (repeatable)",
-    )
+    add_override_argument(parser, "train.lr=1e-4")
     parser.add_argument("--no-eval", action="store_true", help="skip the held-out accuracy evaluation")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 

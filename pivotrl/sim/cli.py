@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from pivotrl.config import add_override_argument
 from pivotrl.errors import UserError
 from pivotrl.sim.config import load_sim_config
 
@@ -20,8 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", help="simulator YAML, e.g. configs/sim/paper-32gpu.yaml")
     parser.add_argument("--json", dest="json_out", metavar="OUT", help="write the full report here")
     parser.add_argument("--plot", metavar="OUT.png", help="allocation-over-time figure")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config field, e.g. workload.iterations=1 (repeatable)")
+    add_override_argument(parser, "workload.iterations=1")
     parser.add_argument("-q", "--quiet", action="store_true", help="print only the final JSON line")
 
 

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import argparse
 
+from pivotrl.config import add_override_argument
 from pivotrl.sim.config import load_sim_config
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", help="simulator YAML describing your workload and cluster")
     parser.add_argument("--top", type=int, default=8, help="static splits to list (best first)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config field (repeatable), e.g. cluster.devices=64")
+    add_override_argument(parser, "cluster.devices=64")
 
 
 def run(args: argparse.Namespace) -> int:
