@@ -33,7 +33,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -140,7 +140,32 @@ def sample_tokens(
     return tokens
 
 
-class GenerationEngine:
+class RequestBook:
+    """Queue bookkeeping shared by every engine behind this interface (torch here, vLLM in
+    `vllm_engine.py`): both keep `running`, `waiting`, finished-but-unreported `_ready` and `max_seq_len`."""
+
+    running: Any
+    waiting: Any
+    _ready: list
+    max_seq_len: int
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting or self._ready)
+
+    def reservation(self, req: GenRequest) -> int:
+        """KV tokens admission reserves for `req`: everything it could ever cache."""
+        return min(len(req.prompt_ids) + req.sampling.max_new_tokens, self.max_seq_len)
+
+
+class GenerationEngine(RequestBook):
     """Continuous batching over a compact model on one device. See the module docstring.
 
     The engine takes over `model` (moves it to `device`, sets eval mode, packs its weights on CPU): give it
@@ -208,21 +233,6 @@ class GenerationEngine:
         self.peak_cached_tokens = 0
 
     # -- public API ---------------------------------------------------------------------------------------
-    @property
-    def num_running(self) -> int:
-        return len(self.running)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.waiting)
-
-    def has_work(self) -> bool:
-        return bool(self.running or self.waiting or self._ready)
-
-    def reservation(self, req: GenRequest) -> int:
-        """KV tokens admission reserves for `req`: everything it could ever cache."""
-        return min(len(req.prompt_ids) + req.sampling.max_new_tokens, self.max_seq_len)
-
     def add(self, req: GenRequest) -> None:
         """Queue a request (new or partial). It joins the batch at the next step with room for it."""
         self._check_live()

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pivotrl.engines.generation import FinishReason, GenRequest, GenResult
+from pivotrl.engines.generation import FinishReason, GenRequest, GenResult, RequestBook
 from pivotrl.errors import UserError
 
 INSTALL_HINT = "vllm is not installed: pip install 'pivotrl[gpu]' on a machine with a CUDA GPU"
@@ -72,7 +72,7 @@ def _load_weights_on_worker(worker, path: str) -> int:
     return len(state)
 
 
-class VLLMEngine:
+class VLLMEngine(RequestBook):
     """`GenerationEngine`'s interface backed by a synchronous vLLM `LLMEngine`."""
 
     def __init__(
@@ -123,20 +123,6 @@ class VLLMEngine:
         self.samples: deque[tuple[int, float]] = deque(maxlen=4096)
 
     # -- same interface as GenerationEngine -------------------------------------------------------------
-    @property
-    def num_running(self) -> int:
-        return len(self.running)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.waiting)
-
-    def has_work(self) -> bool:
-        return bool(self.running or self.waiting or self._ready)
-
-    def reservation(self, req: GenRequest) -> int:
-        return min(len(req.prompt_ids) + req.sampling.max_new_tokens, self.max_seq_len)
-
     def add(self, req: GenRequest) -> None:
         self._check_live()
         if not req.prompt_ids:
