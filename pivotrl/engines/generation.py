@@ -164,6 +164,24 @@ class RequestBook:
         """KV tokens admission reserves for `req`: everything it could ever cache."""
         return min(len(req.prompt_ids) + req.sampling.max_new_tokens, self.max_seq_len)
 
+    def add(self, req: GenRequest) -> None:
+        raise NotImplementedError
+
+    def step(self) -> list[GenResult]:
+        raise NotImplementedError
+
+    def generate(self, reqs: list[GenRequest]) -> list[GenResult]:
+        """Run `reqs` to completion (with whatever else is queued); results in the order of `reqs`."""
+        for r in reqs:
+            self.add(r)
+        ids = {r.seq_id for r in reqs}
+        got: dict[str, GenResult] = {}
+        while len(got) < len(ids) and self.has_work():
+            for res in self.step():
+                if res.seq_id in ids:
+                    got[res.seq_id] = res
+        return [got[r.seq_id] for r in reqs]
+
 
 class GenerationEngine(RequestBook):
     """Continuous batching over a compact model on one device. See the module docstring.
@@ -301,18 +319,6 @@ class GenerationEngine(RequestBook):
         if rows:
             out += self._release(rows, ["abort"] * len(rows))
         return out
-
-    def generate(self, reqs: list[GenRequest]) -> list[GenResult]:
-        """Run `reqs` to completion (with whatever else is queued); results in the order of `reqs`."""
-        for r in reqs:
-            self.add(r)
-        ids = {r.seq_id for r in reqs}
-        got: dict[str, GenResult] = {}
-        while len(got) < len(ids) and self.has_work():
-            for res in self.step():
-                if res.seq_id in ids:
-                    got[res.seq_id] = res
-        return [got[r.seq_id] for r in reqs]
 
     def load_state_dict(self, state_dict) -> None:
         """Swap weights in place (a new policy version). Running sequences keep their cached KV."""

@@ -192,17 +192,6 @@ class VLLMEngine(RequestBook):
             out += [self._finish(s, "abort") for s in ids]
         return out
 
-    def generate(self, reqs: list[GenRequest]) -> list[GenResult]:
-        for r in reqs:
-            self.add(r)
-        ids = {r.seq_id for r in reqs}
-        got: dict[str, GenResult] = {}
-        while len(got) < len(ids) and self.has_work():
-            for res in self.step():
-                if res.seq_id in ids:
-                    got[res.seq_id] = res
-        return [got[r.seq_id] for r in reqs]
-
     def load_state_dict(self, state_dict) -> None:
         """Push new weights (HF names) into every vLLM worker, via a safetensors file and `collective_rpc`."""
         from safetensors.torch import save_file
