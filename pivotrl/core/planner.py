@@ -212,7 +212,7 @@ def tau(views: dict[Role, RoleView]) -> dict[Role, float]:
 
 
 def keep_limit(views: dict[Role, RoleView], role: Role | None, to_role: Role | None = None,
-               slack: float = 0.1, rate: float = 1.0, floor: float = 0.0) -> int:
+               slack: float = 0.1, rate: float = 1.0, floor: float = 0.0, ahead_factor: float = 0.0) -> int:
     """How many replicas role `role` may give up to `to_role`.
 
     * All but one while it has (or is about to get) work, so a plan never strands sequences.
@@ -252,7 +252,17 @@ def keep_limit(views: dict[Role, RoleView], role: Role | None, to_role: Role | N
     ref_m = v.replicas + v.donated
     upstream = role in PIPELINE and to_role in PIPELINE and PIPELINE.index(role) < PIPELINE.index(to_role)
     if upstream:
-        ok = spare
+        # ... or the upstream role stays ahead: after giving k replicas its drain time is still within the
+        # receiver's (with those k replicas' devices), so the receiver has queued work for as long as the
+        # slower upstream runs and the iteration's critical path does not move. (2 devices, 3 roles: once
+        # rollout's tail fits on one device the other judges the finished rollouts; at scale rollout's
+        # drain time is far beyond reward's early in an iteration, so this never fires there.)
+        vu = views[to_role]
+        gained = (v.replicas - ms) * v.g // max(vu.g, 1)
+        tau_d = work_d / np.maximum(thr, 1e-300)
+        tau_u = (vu.work + vu.arriving_work) / np.maximum(vu.throughput_many(vu.replicas + gained), 1e-300)
+        ahead = (ms * v.cap >= v.seqs + v.arriving_seqs) & (tau_d <= ahead_factor * tau_u) & (ms > 0)
+        ok = spare | ahead
         # Rate limit, independent of the throughput fit: within a cooldown a role two stages upstream
         # (rollout for train) gives up at most `rate` of the replicas it had (at least `floor`), beyond
         # replicas it cannot keep busy. (Applied to rollout -> reward too it cost reward-heavy-512 7 %.)
@@ -416,7 +426,8 @@ def plan_for(state: ClusterState, costs: ShiftCostModel, views: dict[Role, RoleV
     for pool, _, phi_sorted in layers:
         g = pool.g
         kmax = min(len(pool.ids), max_x // g, keep_limit(views, pool.role, u, cfg.upstream_slack,
-                                                                cfg.upstream_rate, cfg.upstream_rate_floor))
+                                                                cfg.upstream_rate, cfg.upstream_rate_floor,
+                                                                cfg.upstream_ahead))
         phi = np.concatenate([[0.0], np.cumsum(phi_sorted[:kmax])])
         ks = np.arange(kmax + 1)
         if pool.role is None:

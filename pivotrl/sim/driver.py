@@ -51,7 +51,14 @@ def controller_config(cfg: SimConfig) -> ControllerConfig:
 
 
 def build_controller(cfg: SimConfig, mode: str, split: dict[str, int] | None = None) -> Controller:
-    policy = make_policy(mode, static_split=split) if mode == "disaggregated" else make_policy(mode)
+    """`split`: devices per role (disaggregated), or per role *group* for `grouped`, a group named by its
+    roles joined with "+" in the order it time-shares them (e.g. {"rollout+train": 1, "reward": 1})."""
+    if mode == "disaggregated":
+        policy = make_policy(mode, static_split=split)
+    elif mode == "grouped":
+        policy = make_policy(mode, groups=[(tuple(k.split("+")), n) for k, n in (split or {}).items()])
+    else:
+        policy = make_policy(mode)
     devices = [f"d{i}" for i in range(cfg.cluster.devices)]
     return Controller(policy, devices=devices, config=controller_config(cfg))
 
