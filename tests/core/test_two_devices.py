@@ -1,5 +1,5 @@
-"""Two devices, three roles (the CPU runtime's case): the planner moves one device when that pays, the
-cooldown only blocks the way back, and the static baseline groups roles on devices."""
+"""Two devices, three roles (the CPU runtime's case): the planner moves one device when that pays, and the
+static baseline groups roles on devices."""
 
 from __future__ import annotations
 
@@ -34,16 +34,12 @@ def test_rollout_tail_on_one_device_frees_the_other_for_reward() -> None:
         ctl.submit([seq(f"j{i}", Role.REWARD, prompt=40, max_new=64, expected_new_tokens=60)], 0.1)
     for i in range(12, 16):
         ctl.on_progress(f"r{i}", 18, 0.1)
-    dec = ctl.tick(0.15)   # within the cooldown, but these devices came from nowhere (first placement)
+    assert ctl.tick(0.15) is None   # within the cooldown of the devices' placement at t=0
+    dec = ctl.tick(0.35)
     assert dec is not None
     moved = [m for s in dec.shifts for m in s.moves]
     assert len(moved) == 1 and moved[0].from_role is Role.ROLLOUT and moved[0].to_role is Role.REWARD
     assert len(ctl.replicas(Role.ROLLOUT)) == 1   # rollout keeps a device for its tail
-    # the device that just went to reward may not come straight back within the cooldown
-    ready(ctl, 0.2)
-    ctl.dispatch(0.2)
-    last = ctl.state.device_prev_role
-    assert last[moved[0].device] is Role.ROLLOUT
 
 
 def test_grouped_policy_time_shares_roles_inside_a_group() -> None:
