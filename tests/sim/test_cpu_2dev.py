@@ -23,7 +23,7 @@ def test_two_devices_get_static_groupings_not_splits() -> None:
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_shiftable_beats_colocated_and_the_best_static_grouping(seed: int) -> None:
-    cfg = load_sim_config(CPU2, [f"seed={seed}", "workload.iterations=3"])
+    cfg = load_sim_config(CPU2, [f"seed={seed}", "workload.iterations=2"])
     rep = compare(cfg)
     runs = rep.pop("_results")
     assert all(r.finished and r.conservation["conserved"] for r in runs.values())
@@ -35,3 +35,11 @@ def test_shiftable_beats_colocated_and_the_best_static_grouping(seed: int) -> No
     for s in shifts:
         per_decision[s["decision"]] = per_decision.get(s["decision"], 0) + len(s["devices"])
     assert 1 in per_decision.values()
+
+
+def test_plan_cli_lists_groupings(capsys: pytest.CaptureFixture[str]) -> None:
+    from pivotrl.cli import main
+
+    assert main(["plan", str(CPU2), "--set", "workload.iterations=1"]) == 0
+    out = capsys.readouterr().out
+    assert "reward:1 | rollout+train:1" in out and "role groupings" in out
