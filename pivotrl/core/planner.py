@@ -222,6 +222,9 @@ def keep_limit(views: dict[Role, RoleView], role: Role | None, to_role: Role | N
       thinly). Everything
       downstream waits on upstream output, so while rollout can keep its devices busy, taking them only
       delays the whole iteration; its tail's spare capacity is what flows downstream.
+      Or, for a role of fewer than 1/`slack` replicas (where no busy replica is ever spare), replicas
+      whose loss leaves it still holding all its sequences and draining within `ahead_factor` × the
+      receiver's drain time with the gift (the receiver stays busy longer than the slower upstream runs).
     * Within one cooldown a role two stages upstream (rollout for train) gives up at most
       max(`rate` × the replicas it had, `floor`) replicas it could keep busy (a bound that does not trust
       the fit; see ControllerConfig.upstream_rate).

@@ -36,6 +36,8 @@ class ClusterState:
         self.device_role: dict[str, Role | None] = {}
         self.device_replica: dict[str, str | None] = {}
         self.device_shifted_at: dict[str, float] = {}
+        # (time, replicas) each role gave up in shifts: the planner bounds an upstream role's *cumulative*
+        # donation over a horizon, so a per-decision slack cannot compound across consecutive ticks.
         self.donations: dict[Role, list[tuple[float, int]]] = {r: [] for r in self.roles}
         # Aggregates per role over live (waiting + running) sequences.
         self.n_seqs: dict[Role, int] = dict.fromkeys(self.roles, 0)
