@@ -3,6 +3,7 @@
     python -m benchmarks.sim paper [--seeds 3] [--out docs/sim-paper.json]
                                    [--plot docs/sim-paper-allocation.png]
     python -m benchmarks.sim sweep [--jobs 2] [--out docs/sim-sweep.json]
+                                   [--static-from OLD.json --seeds 0,1]   # reuse the static search
     python -m benchmarks.sim speed            # one 32-GPU iteration of 8,192 sequences, median of 3
     python -m benchmarks.sim table            # re-make the sweep table/figure from docs/sim-sweep.json
 
@@ -66,12 +67,58 @@ def paper(args: argparse.Namespace) -> None:
     print(json.dumps({k: round(v, 4) for k, v in out["median"].items()}))
 
 
+def _compare_known_split(path: str, split: dict[str, int], seeds: tuple[int, ...]) -> dict[str, Any]:
+    """Colocated, the given static split and shiftable, each simulated for every seed (all iterations);
+    tokens/s and ratios are medians over the seeds. The split comes from an earlier full search
+    (`--static-from`): the search is what costs (up to 12 simulations per 512-GPU point), and the static
+    policy does not depend on the planner, so re-simulating its winner measures today's code."""
+    from pivotrl.sim.compare import simulate
+    from pivotrl.sim.config import load_sim_config
+    from pivotrl.sim.fluid import fluid_bound, latency_bound, work_per_iteration
+
+    per_seed = []
+    for seed in seeds:
+        cfg = load_sim_config(path, [f"seed={seed}"])
+        runs = {"colocated": simulate(cfg, "colocated", record=False),
+                "best_static": simulate(cfg, "disaggregated", split, record=False),
+                "shiftable": simulate(cfg, "shiftable", record=False)}
+        tps = {k: v.tokens_per_s_per_device for k, v in runs.items()}
+        tps["fluid_bound"] = fluid_bound(cfg)["tokens_per_s_per_device"]
+        tps["fluid_and_latency_bound"] = latency_bound(cfg)["tokens_per_s_per_device"]
+        per_seed.append({"seed": seed, "tokens_per_s_per_device": tps,
+                         "ratio_vs_colocated": tps["shiftable"] / tps["colocated"],
+                         "ratio_vs_best_static": tps["shiftable"] / tps["best_static"],
+                         "fraction_of_fluid_bound": tps["shiftable"] / tps["fluid_bound"],
+                         "finished": all(r.finished for r in runs.values()),
+                         "conserved": all(r.conservation["conserved"] for r in runs.values())})
+    med = statistics.median
+    w = work_per_iteration(load_sim_config(path))
+    return {
+        "config": Path(path).stem, "seeds": list(seeds), "best_static_split": split,
+        "static_search": "split from --static-from (earlier full search), re-simulated per seed",
+        "tokens_per_s_per_device": {k: med(r["tokens_per_s_per_device"][k] for r in per_seed)
+                                    for k in per_seed[0]["tokens_per_s_per_device"]},
+        **{k: med(r[k] for r in per_seed) for k in KEYS},
+        "per_seed": per_seed,
+        "fluid_work_share": {k: v / sum(w.values()) for k, v in w.items()},
+        "all_finished": all(r["finished"] for r in per_seed),
+        "conserved": all(r["conserved"] for r in per_seed),
+    }
+
+
 def sweep(args: argparse.Namespace) -> None:
     paths = sorted((ROOT / "configs/sim/sweep").glob("*.yaml"))
     t0 = time.perf_counter()
     rows: dict[str, Any] = {}
+    known = json.loads(Path(args.static_from).read_text())["rows"] if args.static_from else None
+    seeds = tuple(int(x) for x in args.seeds.split(","))
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
-        futs = {p.stem: pool.submit(_compare, str(p)) for p in sorted(paths, key=lambda p: int(
+        def submit(p: Path) -> Any:
+            if known is not None:
+                return pool.submit(_compare_known_split, str(p), known[p.stem]["best_static_split"], seeds)
+            return pool.submit(_compare, str(p))
+
+        futs = {p.stem: submit(p) for p in sorted(paths, key=lambda p: int(
             p.stem.rsplit("-", 1)[1].removesuffix("gpu")))}
         for name, fut in futs.items():
             rows[name] = fut.result()
@@ -198,6 +245,10 @@ def main() -> None:
     p.add_argument("--plot", default=str(ROOT / "docs/sim-paper-allocation.png"))
     s = sub.add_parser("sweep")
     s.add_argument("--jobs", type=int, default=2)
+    s.add_argument("--static-from", default=None, metavar="SWEEP.json",
+                   help="reuse each point's best static split from an earlier sweep JSON (skip the search) "
+                        "and simulate colocated, that split and shiftable for every --seeds")
+    s.add_argument("--seeds", default="0", help="with --static-from: comma-separated seeds (medians)")
     s.add_argument("--out", default=str(ROOT / "docs/sim-sweep.json"))
     s.add_argument("--table", default=str(ROOT / "docs/sim-sweep-table.md"))
     s.add_argument("--plot", default=str(ROOT / "docs/sim-sweep.png"))

@@ -7,6 +7,7 @@ from pivotrl.core.controller import Controller
 from pivotrl.core.policies import (
     Colocated,
     Disaggregated,
+    Grouped,
     Policy,
     Shiftable,
     ShiftPlan,
@@ -36,7 +37,7 @@ from pivotrl.core.types import (
 
 __all__ = [
     "PIPELINE", "Assignment", "Candidate", "Colocated", "Controller", "ControllerConfig", "Decision",
-    "DeviceMove", "Disaggregated", "IterationPlan", "PlanReasoning", "Policy", "Replica", "ReplicaShift",
-    "ReplicaState", "Role", "RoleSpec", "SeqState", "Sequence", "ShiftPlan", "Shiftable", "ThroughputModel",
-    "best_static_split", "bottleneck_cost", "make_policy", "static_splits",
+    "DeviceMove", "Disaggregated", "Grouped", "IterationPlan", "PlanReasoning", "Policy", "Replica",
+    "ReplicaShift", "ReplicaState", "Role", "RoleSpec", "SeqState", "Sequence", "ShiftPlan", "Shiftable",
+    "ThroughputModel", "best_static_split", "bottleneck_cost", "make_policy", "static_splits",
 ]

@@ -212,7 +212,7 @@ def tau(views: dict[Role, RoleView]) -> dict[Role, float]:
 
 
 def keep_limit(views: dict[Role, RoleView], role: Role | None, to_role: Role | None = None,
-               slack: float = 0.1, rate: float = 1.0, floor: float = 0.0) -> int:
+               slack: float = 0.1, rate: float = 1.0, floor: float = 0.0, ahead_factor: float = 0.0) -> int:
     """How many replicas role `role` may give up to `to_role`.
 
     * All but one while it has (or is about to get) work, so a plan never strands sequences.
@@ -222,6 +222,9 @@ def keep_limit(views: dict[Role, RoleView], role: Role | None, to_role: Role | N
       thinly). Everything
       downstream waits on upstream output, so while rollout can keep its devices busy, taking them only
       delays the whole iteration; its tail's spare capacity is what flows downstream.
+      Or, for a role of fewer than 1/`slack` replicas (where no busy replica is ever spare), replicas
+      whose loss leaves it still holding all its sequences and draining within `ahead_factor` × the
+      receiver's drain time with the gift (the receiver stays busy longer than the slower upstream runs).
     * Within one cooldown a role two stages upstream (rollout for train) gives up at most
       max(`rate` × the replicas it had, `floor`) replicas it could keep busy (a bound that does not trust
       the fit; see ControllerConfig.upstream_rate).
@@ -252,7 +255,18 @@ def keep_limit(views: dict[Role, RoleView], role: Role | None, to_role: Role | N
     ref_m = v.replicas + v.donated
     upstream = role in PIPELINE and to_role in PIPELINE and PIPELINE.index(role) < PIPELINE.index(to_role)
     if upstream:
-        ok = spare
+        # ... or the upstream role stays ahead: after giving k replicas its drain time is still well within
+        # the receiver's (with those k replicas' devices), so the receiver has queued work for as long as
+        # the slower upstream runs and the iteration's critical path does not move. (2 devices, 3 roles:
+        # once rollout's tail fits on one device the other judges the finished rollouts.)
+        vu = views[to_role]
+        gained = (v.replicas - ms) * v.g // max(vu.g, 1)
+        tau_d = work_d / np.maximum(thr, 1e-300)
+        tau_u = (vu.work + vu.arriving_work) / np.maximum(vu.throughput_many(vu.replicas + gained), 1e-300)
+        ahead = (ms * v.cap >= v.seqs + v.arriving_seqs) & (tau_d <= ahead_factor * tau_u) & (ms > 0)
+        # Only where one replica is more than `slack` of the role: there no busy replica can ever be spare.
+        # (Applied at any size it cost rollout-heavy-32 5 %: with many replicas the slack rule resolves.)
+        ok = spare | ahead if v.replicas * slack < 1.0 else spare
         # Rate limit, independent of the throughput fit: within a cooldown a role two stages upstream
         # (rollout for train) gives up at most `rate` of the replicas it had (at least `floor`), beyond
         # replicas it cannot keep busy. (Applied to rollout -> reward too it cost reward-heavy-512 7 %.)
@@ -416,7 +430,8 @@ def plan_for(state: ClusterState, costs: ShiftCostModel, views: dict[Role, RoleV
     for pool, _, phi_sorted in layers:
         g = pool.g
         kmax = min(len(pool.ids), max_x // g, keep_limit(views, pool.role, u, cfg.upstream_slack,
-                                                                cfg.upstream_rate, cfg.upstream_rate_floor))
+                                                                cfg.upstream_rate, cfg.upstream_rate_floor,
+                                                                cfg.upstream_ahead))
         phi = np.concatenate([[0.0], np.cumsum(phi_sorted[:kmax])])
         ks = np.arange(kmax + 1)
         if pool.role is None:

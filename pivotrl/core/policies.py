@@ -120,6 +120,66 @@ class Disaggregated(Policy):
         return self._fill_split(state, split, "disaggregated:place")
 
 
+class Grouped(Policy):
+    """A static *grouping*: each group of devices serves a fixed set of roles, time-shared colocated-style
+    inside the group (one role at a time, switching when its role has no work left), while groups stream
+    into each other. The static baseline when there are fewer devices than one replica per role (2 CPU
+    workers and 3 roles: e.g. rollout+train on one device, reward on the other); a group of one role is a
+    plain disaggregated share. `groups` = [(roles, devices)]; devices are taken from the sorted device list
+    in group order, the last group takes the rest. Every role must be in exactly one group."""
+
+    name = "grouped"
+
+    def __init__(self, groups: list[tuple[tuple[Role | str, ...], int]]) -> None:
+        super().__init__(None)
+        self.groups = [(tuple(Role(r) for r in roles), int(n)) for roles, n in groups]
+        seen = [r for roles, _ in self.groups for r in roles]
+        if len(seen) != len(set(seen)):
+            raise ValueError("grouped: a role appears in more than one group")
+        self._devices: list[tuple[str, ...]] | None = None
+
+    def _assign(self, state: ClusterState) -> list[tuple[str, ...]]:
+        devices = sorted(state.device_role)
+        if self._devices is None or sorted(d for g in self._devices for d in g) != devices:
+            out, i = [], 0
+            for k, (_, n) in enumerate(self.groups):
+                n = len(devices) - i if k == len(self.groups) - 1 else n
+                out.append(tuple(devices[i:i + n]))
+                i += n
+            self._devices = out
+        return self._devices
+
+    def plan(self, state: ClusterState, costs: ShiftCostModel, now: float) -> ShiftPlan | None:
+        dissolve: list[str] = []
+        form: list[tuple[Role, tuple[str, ...]]] = []
+        for (roles, _), devs in zip(self.groups, self._assign(state)):
+            rids = sorted({state.device_replica[d] for d in devs if state.device_replica.get(d)})
+            reps = [state.replicas[r] for r in rids]
+            if any(r.state is ReplicaState.SHIFTING for r in reps):
+                continue
+            current = reps[0].role if reps else None
+            free = [d for d in devs if state.device_replica.get(d) is None]
+            busy = current is not None and (role_has_work(state, current)
+                                            or unsubmitted_rollouts(state, current))
+            if busy:
+                target = current
+            else:
+                start = 0 if current is None else roles.index(current) + 1
+                order = [roles[(start + i) % len(roles)] for i in range(len(roles))]
+                target = next((r for r in order if role_has_work(state, r) or unsubmitted_rollouts(state, r)),
+                              None)
+                if target is None:
+                    target = roles[0] if current is None else current
+            if target is not current:
+                dissolve.extend(rids)
+                free = sorted(free + [d for r in reps for d in r.devices])
+            g = state.config.devices_per_replica(target)
+            form.extend((target, tuple(free[i:i + g])) for i in range(0, len(free) - g + 1, g))
+        if not dissolve and not form:
+            return None
+        return ShiftPlan(tuple(dissolve), tuple(form), "grouped")
+
+
 class Shiftable(Policy):
     name = "shiftable"
 
@@ -261,9 +321,15 @@ def default_split(state: ClusterState) -> dict[Role, int]:
 
 
 def make_policy(mode: str, *, static_split: Mapping[Role | str, int] | None = None,
-                initial_split: Mapping[Role | str, int] | None = None) -> Policy:
+                initial_split: Mapping[Role | str, int] | None = None,
+                groups: list[tuple[tuple[Role | str, ...], int]] | None = None) -> Policy:
     """`colocated` | `disaggregated` (with an optional `static_split`) | `shiftable` (optional initial
-    split). A bad mode is a ValueError; the config layer already restricts it."""
+    split) | `grouped` (static role groups, `groups` required). A bad mode is a ValueError; the config layer
+    already restricts it."""
+    if mode == "grouped":
+        if not groups:
+            raise ValueError("mode 'grouped' needs groups=[(roles, devices), ...]")
+        return Grouped(groups)
     if mode == "colocated":
         return Colocated(initial_split)
     if mode == "disaggregated":

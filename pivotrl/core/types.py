@@ -146,7 +146,10 @@ class ControllerConfig:
     horizon_s: H, the look-ahead over which the planner counts expected work (step 4).
     hysteresis: a plan must beat `hysteresis × H × devices moved` (device-seconds) to be taken, so the
         planner does not flap between near-equal allocations (waived for a role with work and no replica).
-    cooldown_s: a device that just shifted may not shift again for this long.
+    cooldown_s: a device that just shifted may not shift again for this long. (Measured and rejected:
+        exempting first placements cost rollout-heavy-512 18 % - the cooldown after the initial placement
+        is what keeps iteration 0's first decisions from trusting a throughput fit with no samples yet -
+        and blocking only the way back cost rollout-heavy-128 17 % - churn.)
     decay: per-sample recency weight of the throughput fit (older samples weigh decay**age).
     prior_weight: weighted samples needed (with spread in concurrency) before the fitted slope replaces
         the prior's.
@@ -154,6 +157,12 @@ class ControllerConfig:
     max_shift_fraction: at most this fraction of the devices move in one decision.
     upstream_slack: a role upstream of the shift-up role gives up only replicas costing it at most this
         fraction of its throughput (its spare capacity): upstream output gates everything downstream.
+    upstream_ahead: an upstream role may also give up busy replicas it could keep busy when, after giving
+        them, its drain time is at most this fraction of the receiver's (with them): the receiver has queued
+        work for longer than the slower upstream runs (2 devices: once rollout's tail fits on one device,
+        the other judges finished rollouts). A fraction, not 1, because a long tail's remaining work is
+        uncertain (1.0 cost paper-32gpu 4 %). Only for roles with fewer than 1 / `upstream_slack` replicas
+        (where no busy replica can ever be spare; with more it cost rollout-heavy-32 5 %). 0 turns it off.
     upstream_rate, upstream_rate_floor: within one `cooldown_s` rollout gives train at most
         max(upstream_rate × the replicas it had, upstream_rate_floor) replicas it could keep busy. The slack
         is judged by the throughput fit, which in a stage's first minute has not seen step time grow with
@@ -178,6 +187,7 @@ class ControllerConfig:
     upstream_slack: float = 0.1
     upstream_rate: float = 0.2
     upstream_rate_floor: int = 16
+    upstream_ahead: float = 0.25
 
     def __post_init__(self) -> None:
         if self.kv_reserve not in ("budget", "expected"):

@@ -36,6 +36,43 @@ def all_splits(cfg: SimConfig) -> list[dict[str, int]]:
     return out
 
 
+def all_groupings(cfg: SimConfig) -> list[dict[str, int]]:
+    """Static *groupings* for clusters too small for one replica per role: the roles partitioned into 2+
+    groups (each time-shares its roles colocated-style, in pipeline order), every way to give each group
+    whole devices (at least one replica of each of its roles). Keyed like `driver.build_controller` wants:
+    {"rollout+train": 1, "reward": 1}."""
+    n = cfg.cluster.devices
+    g = {r: getattr(cfg.cost, r).devices_per_replica for r in ROLES}
+
+    def partitions(items: list[str]) -> list[list[list[str]]]:
+        if not items:
+            return [[]]
+        head, out = items[0], []
+        for rest in partitions(items[1:]):
+            out.append([[head], *rest])
+            for i in range(len(rest)):
+                out.append([*rest[:i], [head, *rest[i]], *rest[i + 1:]])
+        return out
+
+    out: list[dict[str, int]] = []
+    for part in partitions(list(ROLES)):
+        if len(part) < 2:
+            continue  # one group of every role is colocated, run on its own
+        names = ["+".join(sorted(b, key=ROLES.index)) for b in part]
+        need = [max(g[r] for r in b) for b in part]
+
+        def fill(i: int, left: int, acc: list[int], names: list[str] = names, need: list[int] = need) -> None:
+            if i == len(names) - 1:
+                if left >= need[i]:
+                    out.append(dict(zip(names, [*acc, left], strict=True)))
+                return
+            for k in range(need[i], left - sum(need[i + 1:]) + 1):
+                fill(i + 1, left - k, [*acc, k])
+
+        fill(0, n, [])
+    return out
+
+
 def analytic_time(cfg: SimConfig, split: dict[str, int], work: dict[str, float]) -> float:
     """Pipelined estimate of one iteration under a static split: the slowest stage dominates, plus the
     fill/drain of the other stages (a crude but monotone ranking key)."""
@@ -50,7 +87,7 @@ def _key(split: dict[str, int]) -> tuple[int, int, int]:
 def best_static(cfg: SimConfig, log: Any = None) -> tuple[SimResult, dict[str, Any]]:
     splits = all_splits(cfg)
     if not splits:
-        raise ValueError("no feasible static split")
+        return best_grouping(cfg, log)
     iters = cfg.search.iterations
     cache: dict[tuple[int, int, int], SimResult] = {}
 
@@ -106,6 +143,25 @@ def best_static(cfg: SimConfig, log: Any = None) -> tuple[SimResult, dict[str, A
                    key=lambda d: -d["tokens_per_s_per_device"])
     return final, {"method": method, "splits_total": len(splits), "splits_simulated": len(cache),
                    "ranking": table}
+
+
+def best_grouping(cfg: SimConfig, log: Any = None) -> tuple[SimResult, dict[str, Any]]:
+    """Fewer devices than one replica per role: the best static grouping, every one simulated."""
+    groupings = all_groupings(cfg)
+    if not groupings:
+        raise ValueError("no feasible static split or grouping")
+    runs = []
+    for grp in groupings:
+        r = simulate(cfg, "grouped", grp, iterations=cfg.search.iterations, record=False)
+        if log:
+            log(f"  grouping {grp}: {r.tokens_per_s_per_device:.1f} tok/s/dev")
+        runs.append((r.tokens_per_s_per_device, grp))
+    best = max(runs, key=lambda t: t[0])[1]
+    final = simulate(cfg, "grouped", best)
+    table = sorted(({"split": grp, "tokens_per_s_per_device": v} for v, grp in runs),
+                   key=lambda d: -d["tokens_per_s_per_device"])
+    return final, {"method": "exhaustive over role groupings (too few devices for one replica per role)",
+                   "splits_total": len(groupings), "splits_simulated": len(groupings), "ranking": table}
 
 
 def compare(cfg: SimConfig, log: Any = None) -> dict[str, Any]:

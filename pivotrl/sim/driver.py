@@ -47,11 +47,19 @@ def controller_config(cfg: SimConfig) -> ControllerConfig:
     shift_prior = sum(shift_time(c, r)[0] for r in ("rollout", "reward", "train")) / 3.0
     s = cfg.scheduler
     return ControllerConfig(roles=roles, horizon_s=s.horizon_s, hysteresis=s.hysteresis,
-                            cooldown_s=s.cooldown_s, shift_prior_s=shift_prior, kv_reserve=s.kv_reserve)
+                            cooldown_s=s.cooldown_s, shift_prior_s=shift_prior, kv_reserve=s.kv_reserve,
+                            prior_weight=s.prior_weight)
 
 
 def build_controller(cfg: SimConfig, mode: str, split: dict[str, int] | None = None) -> Controller:
-    policy = make_policy(mode, static_split=split) if mode == "disaggregated" else make_policy(mode)
+    """`split`: devices per role (disaggregated), or per role *group* for `grouped`, a group named by its
+    roles joined with "+" in the order it time-shares them (e.g. {"rollout+train": 1, "reward": 1})."""
+    if mode == "disaggregated":
+        policy = make_policy(mode, static_split=split)
+    elif mode == "grouped":
+        policy = make_policy(mode, groups=[(tuple(k.split("+")), n) for k, n in (split or {}).items()])
+    else:
+        policy = make_policy(mode)
     devices = [f"d{i}" for i in range(cfg.cluster.devices)]
     return Controller(policy, devices=devices, config=controller_config(cfg))
 

@@ -53,4 +53,6 @@ def run(args: argparse.Namespace) -> int:
 def _split(split: dict[str, int] | None) -> str:
     if not split:
         return "-"
+    if not {"rollout", "reward", "train"} <= set(split):   # a grouping (fewer devices than roles)
+        return " | ".join(f"{k}:{v}" for k, v in split.items())
     return f"{split['rollout']}/{split['reward']}/{split['train']}"

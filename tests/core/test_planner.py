@@ -23,9 +23,10 @@ from .helpers import active_state, config, seq
 ROLES = (Role.ROLLOUT, Role.REWARD, Role.TRAIN)
 
 
-def donation_allowed(views, d: Role, u: Role, k: int, slack: float) -> bool:
+def donation_allowed(views, d: Role, u: Role, k: int, slack: float, ahead: float = 0.25) -> bool:
     """The donor rule, restated directly: keep a replica while there is work; upstream donors give only
-    spare capacity (≤ slack of their throughput); downstream ones let τ_d grow up to τ_u(m_u + 1)."""
+    spare capacity (≤ slack of their throughput), or stay `ahead` (their drain time after giving ≤ ahead ×
+    u's with the gift); downstream ones let τ_d grow up to τ_u(m_u + 1)."""
     v, vu = views[d], views[u]
     if v.seqs + v.arriving_seqs > 0 and k >= v.replicas:
         return False
@@ -44,8 +45,13 @@ def donation_allowed(views, d: Role, u: Role, k: int, slack: float) -> bool:
                 busy = min(mm, n)
                 return v.a + v.b * v.k * (min(v.cap, n / busy) if busy > 0 else 0.0)
 
+            tau_after = work_d / max(t_new, 1e-300)
+            gift = (j * v.g) // vu.g
+            tau_u_gift = (vu.work + vu.arriving_work) / max(vu.throughput(vu.replicas + gift), 1e-300)
+            stays_ahead = (m > 0 and m * v.cap >= n and tau_after <= ahead * tau_u_gift
+                           and v.replicas * slack < 1.0)
             if not (t_new >= base * (1 - slack) and m * v.cap >= n
-                    and step(m) <= step(v.replicas) * (1 + slack)):
+                    and step(m) <= step(v.replicas) * (1 + slack)) and not stays_ahead:
                 return False
         elif not (t_new >= base * (1 - 1e-12) or work_d <= tau_u * t_new):
             return False
@@ -153,7 +159,8 @@ def _brute_force(stt: ClusterState, costs: ShiftCostModel, now: float, u: Role) 
         if x == 0 or x % vu.g or x > max_x:
             continue
         ks = {r: sum(1 for d, _, _ in chosen if d is r) for r in stt.roles}
-        if any(k and not donation_allowed(views, r, u, k, cfg.upstream_slack) for r, k in ks.items()):
+        if any(k and not donation_allowed(views, r, u, k, cfg.upstream_slack, cfg.upstream_ahead)
+               for r, k in ks.items()):
             continue  # would strand that role's work, or make it a worse bottleneck than u
         gain = processed(u, vu.replicas + x // vu.g) - processed(u, vu.replicas)
         for r, k in ks.items():
