@@ -269,7 +269,7 @@ def train_role(cfg: PipelineConfig, role: str, out_dir: str | Path, threads: int
     torch.set_num_threads(threads)
     t0, cpu0 = time.perf_counter(), time.process_time()
     sft_cfg = cfg.train.sft if role == "policy" else cfg.reward.sft
-    task = get_task(cfg.task.name, cfg.task.options)
+    task = get_task(cfg.task.name, {**cfg.task.options, **sft_cfg.data_options})
     tokenizer = build_tokenizer()
     problems = task.sample(sft_cfg.examples, seed=_data_seed(sft_cfg, role))
     if role == "policy":

@@ -119,6 +119,15 @@ def test_sft_length_chunks_give_the_dense_batch_step(tmp_path):
     assert torch.allclose(params[0], params[1], atol=1e-9)
 
 
+def test_sft_data_options_shape_the_data_and_the_cache_key(tmp_path):
+    """``data_options`` draws this model's SFT problems from other task options (longer lists for the
+    judge) and, since it shapes the weights, gives the model its own cache directory."""
+    base = tiny_cfg(tmp_path)
+    longer = tiny_cfg(tmp_path, **{"reward.sft.data_options": "{median: 8}"})
+    assert bs.model_dir(base, "genrm") != bs.model_dir(longer, "genrm")
+    assert bs.model_dir(base, "policy") == bs.model_dir(longer, "policy")
+
+
 def test_cli_bad_config_is_one_line_exit_2(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
     bad.write_text("train:\n  sft:\n    steps: -3\n")
