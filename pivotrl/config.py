@@ -106,6 +106,11 @@ class SFTConfig(Section):
         le=1.0,
         description="policy only: share of demonstrations from a sloppy teacher that drops repeated digits",
     )
+    data_options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="task options for this model's SFT problems only, over task.options (e.g. a judge that "
+        "sees long lists more often than the RL prompts do: {median: 5})",
+    )
 
 
 class RewardConfig(Section):

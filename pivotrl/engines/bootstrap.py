@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -160,8 +161,15 @@ def sft(
     seed: int,
     pad_id: int,
     warmup: int = 20,
+    chunks: int = 4,
 ) -> list[float]:
-    """Teacher-forced cross-entropy on target tokens only; AdamW, warmup + cosine decay. Returns losses."""
+    """Teacher-forced cross-entropy on target tokens only; AdamW, warmup + cosine decay. Returns losses.
+
+    Each batch is sorted by length and run as ``chunks`` micro-batches, each padded only to its own longest
+    example, with gradients accumulated: the loss is the same token mean over the whole batch, but the
+    padding a log-normal length distribution forces on one dense batch is not computed (about half of the
+    judge's tokens would be padding).
+    """
     gen = random.Random(f"sft:{seed}")
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
     losses = []
@@ -170,22 +178,39 @@ def sft(
         scale = min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * step / max(steps, 1)))
         for group in opt.param_groups:
             group["lr"] = lr * max(scale, 0.05)
-        batch = [data[gen.randrange(len(data))] for _ in range(batch_size)]
-        width = max(len(p) + len(t) for p, t in batch)
-        ids = torch.full((batch_size, width), pad_id, dtype=torch.long)
-        labels = torch.full((batch_size, width), -100, dtype=torch.long)
-        for b, (p, t) in enumerate(batch):
-            ids[b, : len(p) + len(t)] = torch.tensor(p + t)
-            labels[b, len(p) : len(p) + len(t)] = torch.tensor(t)
-        logits = model(ids)[:, :-1]
-        loss = F.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100
+        batch = sorted(
+            (data[gen.randrange(len(data))] for _ in range(batch_size)), key=lambda x: len(x[0]) + len(x[1])
         )
+        total_targets = sum(len(t) for _, t in batch)
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        step_loss = 0.0
+        k = max(1, min(chunks, batch_size))
+        bounds = [round(i * batch_size / k) for i in range(k + 1)]
+        for a, b in itertools.pairwise(bounds):
+            part = batch[a:b]
+            if not part:
+                continue
+            width = max(len(p) + len(t) for p, t in part)
+            ids = torch.full((len(part), width), pad_id, dtype=torch.long)
+            labels = torch.full((len(part), width), -100, dtype=torch.long)
+            for row, (p, t) in enumerate(part):
+                ids[row, : len(p) + len(t)] = torch.tensor(p + t)
+                labels[row, len(p) : len(p) + len(t)] = torch.tensor(t)
+            logits = model(ids)[:, :-1]
+            loss = (
+                F.cross_entropy(
+                    logits.reshape(-1, logits.shape[-1]),
+                    labels[:, 1:].reshape(-1),
+                    ignore_index=-100,
+                    reduction="sum",
+                )
+                / total_targets
+            )
+            loss.backward()
+            step_loss += float(loss.detach())
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        losses.append(float(loss.detach()))
+        losses.append(step_loss)
     model.eval()
     return losses
 
@@ -195,7 +220,7 @@ def sft(
 # ----------------------------------------------------------------------------------------------------
 
 ROLES = ("policy", "genrm")
-FORMAT_VERSION = 3  # bump when data construction changes, so cached models are rebuilt
+FORMAT_VERSION = 4  # bump when data construction or SFT batching changes, so cached models are rebuilt
 
 
 @dataclass
@@ -244,7 +269,7 @@ def train_role(cfg: PipelineConfig, role: str, out_dir: str | Path, threads: int
     torch.set_num_threads(threads)
     t0, cpu0 = time.perf_counter(), time.process_time()
     sft_cfg = cfg.train.sft if role == "policy" else cfg.reward.sft
-    task = get_task(cfg.task.name, cfg.task.options)
+    task = get_task(cfg.task.name, {**cfg.task.options, **sft_cfg.data_options})
     tokenizer = build_tokenizer()
     problems = task.sample(sft_cfg.examples, seed=_data_seed(sft_cfg, role))
     if role == "policy":

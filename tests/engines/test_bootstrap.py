@@ -102,6 +102,32 @@ def test_sft_learns(tmp_path):
     assert losses[-1] < 0.5 * losses[0]
 
 
+def test_sft_length_chunks_give_the_dense_batch_step(tmp_path):
+    """Running a batch as length-sorted chunks (less padding) takes the same optimizer step as one dense,
+    padded batch: the loss is the same token mean, only the padding is skipped."""
+    from pivotrl.engines.models import build_tokenizer
+
+    tok = build_tokenizer()
+    task = get_task("sort", {"max_size": 10})
+    data = bs.encode_pairs(tok, bs.judge_pairs(task, task.sample(16, seed=1), JudgeTemplate(), seed=1)[0])
+    cfg = tiny_cfg(tmp_path)
+    params = []
+    for chunks in (1, 4):
+        model = bs.new_model(bs.build_config(cfg.reward.sft), seed=0).double()
+        bs.sft(model, data, steps=2, batch_size=8, lr=1e-2, seed=0, pad_id=tok.pad_token_id, chunks=chunks)
+        params.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    assert torch.allclose(params[0], params[1], atol=1e-9)
+
+
+def test_sft_data_options_shape_the_data_and_the_cache_key(tmp_path):
+    """``data_options`` draws this model's SFT problems from other task options (longer lists for the
+    judge) and, since it shapes the weights, gives the model its own cache directory."""
+    base = tiny_cfg(tmp_path)
+    longer = tiny_cfg(tmp_path, **{"reward.sft.data_options": "{median: 8}"})
+    assert bs.model_dir(base, "genrm") != bs.model_dir(longer, "genrm")
+    assert bs.model_dir(base, "policy") == bs.model_dir(longer, "policy")
+
+
 def test_cli_bad_config_is_one_line_exit_2(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
     bad.write_text("train:\n  sft:\n    steps: -3\n")
