@@ -92,6 +92,7 @@ class IterationMeter:
         }
         self.n_devices = len(st["workers"])
         self.device_time0 = device_times(st)
+        self.plan0 = (st.get("plan_s", 0.0), st.get("plans", 0))
 
     def poll(self, out: dict[str, Any]) -> None:
         """Called with each `collect` reply while an iteration runs."""
@@ -149,6 +150,8 @@ class IterationMeter:
         row["tokens_per_s_per_device"] = row["tokens_per_s"] / max(1, self.n_devices)
         per_dev = device_time_delta(self.device_time0, device_times(st))
         row["device_time"] = per_dev
+        row["plan_s"] = st.get("plan_s", 0.0) - self.plan0[0]  # controller CPU time (scheduler process)
+        row["plans"] = st.get("plans", 0) - self.plan0[1]
         for key in DEVICE_TIME_KEYS:
             row[f"dev_{key}_s"] = sum(d.get(key, 0.0) for d in per_dev.values())
         for key in (*ROLES, "shifting", "idle"):

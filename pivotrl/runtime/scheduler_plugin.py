@@ -124,6 +124,8 @@ class PivotSchedulerPlugin(SchedulerPlugin):
         self._t0 = time.monotonic()
         self._last_sample = -1e9
         self._last_tick = -1e9
+        self.plan_s = 0.0
+        self.plans = 0
         self._tokens: dict[str, int] = {}  # role → tokens produced since start
         self._task: asyncio.Task | None = None
 
@@ -308,7 +310,10 @@ class PivotSchedulerPlugin(SchedulerPlugin):
     def tick(self) -> None:
         now = self.now()
         self._last_tick = now
+        t0 = time.perf_counter()
         decision = self.control.tick(now)
+        self.plan_s += time.perf_counter() - t0  # the controller's CPU cost, reported in the state
+        self.plans += 1
         if decision is not None and (decision.shifts or decision.aborts or decision.dispatch):
             self.apply(decision)
         self._maybe_flush()
@@ -592,6 +597,8 @@ class PivotSchedulerPlugin(SchedulerPlugin):
             },
             "items": counts,
             "tokens": dict(self._tokens),
+            "plan_s": self.plan_s,
+            "plans": self.plans,
             "control": self.control.snapshot(),
         }
 
