@@ -117,7 +117,7 @@ class IterationMeter:
                     f"  shift: device {e['name']} {e['src']} → {e['role']}  "
                     f"(abort {t.get('abort', 0):.2f}s, offload {t.get('offload', 0):.2f}s, "
                     f"fetch {t.get('fetch', 0):.2f}s, load {t.get('load', 0):.2f}s, "
-                    f"total {t.get('total', 0):.2f}s)"
+                    f"total {t.get('total', 0):.2f}s{', warm' if t.get('warm') else ''})"
                 )
             elif e["kind"] == "worker_lost":
                 self.log(
