@@ -41,6 +41,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            # One fused kernel; in fp32 it equals the three-step form below bit for bit (tested).
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
@@ -73,6 +76,55 @@ def _pack(m: nn.Linear, batch_hint: int = 32):
     return packed
 
 
+class FusedLinear:
+    """Several Linear layers that read the same input, as one matmul, for no-grad calls only.
+
+    Why: a decode step on a small model is dominated by per-call overhead, not FLOPs; q/k/v and gate/up
+    each become one call (and one oneDNN-packed weight on CPU fp32). The fused copy is rebuilt whenever any
+    part's weight changes (its storage or tensor version moves, as on `load_state_dict`, an optimizer step
+    or `.to()`), so it never computes with stale weights. Not an `nn.Module`: it owns no parameters and
+    never appears in the state dict.
+    """
+
+    def __init__(self, parts: list[nn.Linear]) -> None:
+        self.parts = parts
+        self.sizes = [m.out_features for m in parts]
+        self._state: tuple | None = None
+        self.pack = False
+
+    def _key(self) -> tuple:
+        return tuple((m.weight.data_ptr(), m.weight._version, m.weight.dtype) for m in self.parts)
+
+    def _build(self, key: tuple) -> tuple:
+        w = torch.cat([m.weight.detach() for m in self.parts])
+        if any(m.bias is not None for m in self.parts):
+            b = torch.cat(
+                [m.bias.detach() if m.bias is not None else w.new_zeros(m.out_features) for m in self.parts]
+            )
+        else:
+            b = None
+        packed = None
+        if self.pack and w.device.type == "cpu" and w.dtype == torch.float32 and _can_pack():
+            packed = torch.ops.mkldnn._reorder_linear_weight(w, 32)
+            w = None  # the packed copy is all a CPU call needs
+        self._state = (key, w, b, packed)
+        return self._state
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        key = self._key()
+        state = self._state if self._state is not None and self._state[0] == key else self._build(key)
+        _, w, b, packed = state
+        if packed is not None and x.device.type == "cpu":
+            return torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
+        if w is None:  # packed for CPU but called elsewhere: rebuild unpacked
+            self.pack = False
+            _, w, b, _ = self._build(key)
+        return F.linear(x, w, b)
+
+    def clear(self) -> None:
+        self._state = None
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -96,12 +148,18 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, h, bias=out_bias)
+        self.qkv = FusedLinear([self.q_proj, self.k_proj, self.v_proj])
 
     def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         b, t, _ = x.shape
-        q = linear(self.q_proj, x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
-        k = linear(self.k_proj, x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
-        v = linear(self.v_proj, x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        d = self.head_dim
+        if torch.is_grad_enabled():
+            q, k, v = linear(self.q_proj, x), linear(self.k_proj, x), linear(self.v_proj, x)
+        else:
+            q, k, v = self.qkv(x).split(self.qkv.sizes, dim=-1)
+        q = q.reshape(b, t, self.n_heads, d).transpose(1, 2)
+        k = k.reshape(b, t, self.n_kv, d).transpose(1, 2)
+        v = v.reshape(b, t, self.n_kv, d).transpose(1, 2)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def _out(self, y: torch.Tensor) -> torch.Tensor:
@@ -118,20 +176,27 @@ class Attention(nn.Module):
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv != self.n_heads)
         return self._out(y)
 
-    def decode(self, x, cos, sin, cache: KVSlots, layer: int, lens: torch.Tensor, mask: torch.Tensor):
-        """One new token per sequence in slots 0..B-1 at positions `lens`; attends to the cached prefix."""
-        q, k, v = self._qkv(x, cos, sin)  # [B, h, 1, D]
-        b = x.shape[0]
-        rows = cache.rows[:b]
-        cache.k[layer, rows, :, lens] = k[:, :, 0]
-        cache.v[layer, rows, :, lens] = v[:, :, 0]
-        span = mask.shape[-1]
-        keys = cache.k[layer, :b, :, :span]
-        values = cache.v[layer, :b, :, :span]
-        y = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads
+    def decode(self, x, cos, sin, cache: KVSlots, layer: int, index: torch.Tensor, bias: torch.Tensor):
+        """One new token per sequence in slots 0..B-1 (x: [B, hidden]); attends to the cached prefix.
+
+        `index` holds the flat cache rows ((slot * kv_heads + head) * max_len + position) where this step's
+        keys/values go; `bias` [B, 1, 1, span] is 0 up to each sequence's position and -inf after. Both are
+        built once per step for all layers. Attention is written out as two grouped matmuls: for one query
+        token per sequence that is faster on CPU than SDPA's flash kernel, and needs no repeat of the GQA
+        key/value heads.
+        """
+        b, d, h, kv = x.shape[0], self.head_dim, self.n_heads, self.n_kv
+        qkv = self.qkv(x)
+        qk = apply_rope(qkv[:, : (h + kv) * d].view(b, h + kv, d), cos, sin)
+        cache.k[layer].view(-1, d).index_copy_(0, index, qk[:, h:].reshape(-1, d))
+        cache.v[layer].view(-1, d).index_copy_(0, index, qkv[:, (h + kv) * d :].reshape(-1, d))
+        span = bias.shape[-1]
+        scores = torch.matmul(
+            qk[:, :h].reshape(b, kv, h // kv, d), cache.k[layer, :b, :, :span].transpose(-1, -2)
         )
-        return self._out(y)
+        probs = torch.softmax(scores.mul_(d**-0.5).add_(bias), dim=-1)
+        y = torch.matmul(probs, cache.v[layer, :b, :, :span])
+        return linear(self.o_proj, y.view(b, h * d))
 
 
 class MLP(nn.Module):
@@ -142,9 +207,13 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(h, i, bias=bias)
         self.up_proj = nn.Linear(h, i, bias=bias)
         self.down_proj = nn.Linear(i, h, bias=bias)
+        self.gate_up = FusedLinear([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(self.down_proj, F.silu(linear(self.gate_proj, x)) * linear(self.up_proj, x))
+        if torch.is_grad_enabled():
+            return linear(self.down_proj, F.silu(linear(self.gate_proj, x)) * linear(self.up_proj, x))
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return linear(self.down_proj, F.silu(gate).mul_(up))
 
 
 class Block(nn.Module):
@@ -226,14 +295,21 @@ class CausalLM(nn.Module):
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     def pack_for_inference(self, enable: bool = True) -> bool:
-        """Prepack every Linear weight for fast CPU inference (oneDNN); returns whether packing is on.
+        """Prepack the inference weights for fast CPU calls (oneDNN); returns whether packing is on.
 
-        Costs one extra copy of the weights. Only no-grad calls use the packed copies; training is unchanged.
+        q/k/v and gate/up are packed fused (see `FusedLinear`); o/down/lm_head each on their own. Costs one
+        extra copy of the weights; only no-grad calls use it, training is unchanged. `enable=False` drops
+        every packed and fused copy (an offloaded engine gives the memory back).
         """
         enable = enable and _can_pack() and self.lm_head.weight.device.type == "cpu"
+        fused = [f for m in self.modules() for f in vars(m).values() if isinstance(f, FusedLinear)]
+        in_fused = {id(p) for f in fused for p in f.parts}
+        for f in fused:
+            f.pack = enable
+            f.clear()
         for m in self.modules():
             if isinstance(m, nn.Linear):
-                if enable and m.weight.dtype == torch.float32:
+                if enable and m.weight.dtype == torch.float32 and id(m) not in in_fused:
                     _pack(m)
                 else:
                     m.__dict__.pop("_packed", None)
@@ -284,15 +360,22 @@ class CausalLM(nn.Module):
 
         Token b sits at position lens[b] (the number of tokens already cached for slot b).
         """
-        b = tokens.shape[0]
+        b, dev = tokens.shape[0], tokens.device
         span = int(lens.max()) + 1
-        mask = (torch.arange(span, device=tokens.device)[None, :] <= lens[:, None]).view(b, 1, 1, span)
-        x = self.model.embed_tokens(tokens[:, None])
+        x = self.model.embed_tokens(tokens)
+        beyond = torch.arange(span, device=dev)[None, :] > lens[:, None]
+        bias = torch.zeros(b, 1, 1, span, device=dev, dtype=x.dtype).masked_fill_(
+            beyond.view(b, 1, 1, span), float("-inf")
+        )
+        kv = self.config.num_key_value_heads
+        heads = torch.arange(kv, device=dev)[None, :]
+        index = ((cache.rows[:b, None] * kv + heads) * cache.max_len + lens[:, None]).reshape(-1)
         cos, sin = self._rope(lens[:, None], x.dtype)
+        cos, sin = cos[:, 0], sin[:, 0]  # [B, 1, D]: one position per sequence, broadcast over heads
         for i, layer in enumerate(self.model.layers):
-            x = x + layer.self_attn.decode(layer.input_layernorm(x), cos, sin, cache, i, lens, mask)
+            x = x + layer.self_attn.decode(layer.input_layernorm(x), cos, sin, cache, i, index, bias)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return linear(self.lm_head, self.model.norm(x))[:, 0]
+        return linear(self.lm_head, self.model.norm(x))
 
 
 def num_parameters(model: nn.Module) -> int:

@@ -152,3 +152,38 @@ def test_packed_inference_matches_and_follows_weight_changes():
     loss = model(ids).float().logsumexp(-1).mean()  # grad enabled: plain path, gradients flow
     loss.backward()
     assert model.model.layers[0].mlp.up_proj.weight.grad is not None
+
+
+def test_fused_inference_path_equals_training_path_and_tracks_updates():
+    """No-grad calls run q/k/v and gate/up fused; they must equal the per-layer (autograd) path, and follow
+    an optimizer step and a dtype change without going stale."""
+    config = make_config("debug")
+    model = CausalLM.from_config(config)
+    model.load_state_dict(_random_weights(config, seed=4))
+    ids = torch.randint(4, config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        fused = model(ids)
+    unfused = model(ids)  # grad enabled: one call per Linear
+    assert torch.allclose(fused, unfused.detach(), atol=1e-5)
+    torch.optim.SGD(model.parameters(), lr=0.5).zero_grad()
+    unfused.float().logsumexp(-1).mean().backward()
+    torch.optim.SGD(model.parameters(), lr=0.5).step()  # in-place update: tensor versions move
+    with torch.no_grad():
+        after = model(ids)
+    assert not torch.allclose(after, fused, atol=1e-3)
+    assert torch.allclose(after, model(ids).detach(), atol=1e-5)
+    model.to(torch.float64)
+    with torch.no_grad():
+        assert model(ids).dtype == torch.float64
+        assert torch.allclose(model(ids).float(), after, rtol=1e-4, atol=1e-3)
+
+
+def test_fp32_rmsnorm_kernel_equals_the_reference_formula():
+    from pivotrl.engines.model import RMSNorm
+
+    norm = RMSNorm(64, 1e-6)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(5, 7, 64, generator=torch.Generator().manual_seed(0)) * 3
+    reference = norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+    assert torch.equal(norm(x), reference)
