@@ -91,7 +91,8 @@ WARMUP = 1  # iterations run but not measured: worker start-up (imports, first l
 def summarise(res: Any) -> dict[str, Any]:
     rows = res.iterations[WARMUP:]
     per_dev = [r["tokens_per_s_per_device"] for r in rows]
-    shifts = res.shifts
+    n_measured = sum(int(r["shifts"]) for r in rows)  # shifts done during the measured iterations
+    shifts = res.shifts[len(res.shifts) - n_measured :] if n_measured else []
     phases = {}
     for ph in ("abort", "offload", "fetch", "load", "total"):
         vals = [e["timings"].get(ph, 0.0) for e in shifts]
