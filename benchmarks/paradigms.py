@@ -14,6 +14,12 @@ so the valid static splits give each device a fixed *group* of roles, time-share
 the group (the way a policy's rollout and training share GPUs while the GenRM is served apart); every
 grouping is run and the best is reported as `best_static`.
 
+The box is shared (other processes load its cores), so the paradigms run *interleaved*: `--repeats`
+rounds, each running every configuration once (in a rotated order), and each figure is the median over the
+rounds of that run's per-iteration median. The best static split is chosen on those medians. Each device's
+wall time is broken down (engine steps per role, gradient flushes, shifting, idle) from the scheduler's
+accounting, and the load average is recorded, so a reader can tell where a paradigm loses time.
+
 Printed last: `ratio_vs_colocated` and `ratio_vs_best_static` (shiftable ÷ each).
 """
 
@@ -22,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import statistics
 import sys
 import time
@@ -49,7 +56,7 @@ def workload(quick: bool, storage: Path, model_size: str) -> Any:
         "run": {
             "name": "paradigms",
             "seed": 0,
-            "iterations": WARMUP + (4 if quick else 8),
+            "iterations": WARMUP + (3 if quick else 8),
             "storage_root": str(storage),
         },
         "models": {
@@ -84,11 +91,18 @@ WARMUP = 1  # iterations run but not measured: worker start-up (imports, first l
 def summarise(res: Any) -> dict[str, Any]:
     rows = res.iterations[WARMUP:]
     per_dev = [r["tokens_per_s_per_device"] for r in rows]
-    shifts = res.shifts
+    n_measured = sum(int(r["shifts"]) for r in rows)  # shifts done during the measured iterations
+    shifts = res.shifts[len(res.shifts) - n_measured :] if n_measured else []
     phases = {}
     for ph in ("abort", "offload", "fetch", "load", "total"):
         vals = [e["timings"].get(ph, 0.0) for e in shifts]
         phases[ph] = statistics.mean(vals) if vals else 0.0
+    device_time: dict[str, dict[str, float]] = {}  # per device: mean seconds per measured iteration
+    for r in rows:
+        for dev, d in r.get("device_time", {}).items():
+            acc = device_time.setdefault(dev, {})
+            for k, v in d.items():
+                acc[k] = acc.get(k, 0.0) + v / len(rows)
     return {
         "tokens_per_s_per_device": statistics.median(per_dev),
         "tokens_per_s_per_device_each": per_dev,
@@ -100,8 +114,48 @@ def summarise(res: Any) -> dict[str, Any]:
             k: statistics.mean(r[f"alloc_{k}"] for r in rows)
             for k in ("rollout", "reward", "train", "shifting", "idle")
         },
+        "device_time": {d: {k: round(v, 3) for k, v in t.items()} for d, t in device_time.items()},
+        "stage_done_s": {
+            k[len("stage_") : -len("_done_s")]: statistics.median(r[k] for r in rows if k in r)
+            for k in rows[0]
+            if k.startswith("stage_") and k.endswith("_done_s")
+        },
         "wall_s": res.wall_s,
     }
+
+
+def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One configuration's interleaved repeats → its figures (medians over the repeats)."""
+    per_run = [r["tokens_per_s_per_device"] for r in runs]
+    out = {
+        "tokens_per_s_per_device": statistics.median(per_run),
+        "tokens_per_s_per_device_repeats": per_run,
+        "tokens_per_s_per_device_each": [x for r in runs for x in r["tokens_per_s_per_device_each"]],
+        "iteration_seconds": [x for r in runs for x in r["iteration_seconds"]],
+        "tokens_each": [x for r in runs for x in r["tokens_each"]],
+        "shifts": sum(r["shifts"] for r in runs),
+        "shifts_per_iteration": sum(r["shifts"] for r in runs)
+        / max(1, sum(len(r["iteration_seconds"]) for r in runs)),
+        "wall_s": sum(r["wall_s"] for r in runs),
+    }
+    n_shift = [r["shifts"] for r in runs]
+    out["mean_shift_s"] = {
+        ph: (sum(r["mean_shift_s"][ph] * n for r, n in zip(runs, n_shift)) / sum(n_shift))
+        if sum(n_shift)
+        else 0.0
+        for ph in runs[0]["mean_shift_s"]
+    }
+    for key in ("allocation", "stage_done_s"):
+        out[key] = {k: statistics.median(r[key][k] for r in runs) for k in runs[0][key]}
+    devs = sorted({d for r in runs for d in r["device_time"]})
+    out["device_time"] = {
+        d: {
+            k: round(statistics.median(r["device_time"][d][k] for r in runs if d in r["device_time"]), 3)
+            for k in next(r["device_time"][d] for r in runs if d in r["device_time"])
+        }
+        for d in devs
+    }
+    return out
 
 
 def run_mode(cfg: Any, mode: str, control: Any = None) -> dict[str, Any]:
@@ -133,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", default="colocated,disaggregated,shiftable", help=argparse.SUPPRESS)
     add_override_argument(ap, "scheduler.cooldown_s=3")  # applied to every paradigm
     ap.add_argument("--storage", type=Path, default=Path("storage/bench"))
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds over every configuration")
     args = ap.parse_args(argv)
     for name in ("distributed", "distributed.worker", "distributed.scheduler", "distributed.nanny"):
         logging.getLogger(name).setLevel(logging.ERROR)
@@ -152,34 +207,60 @@ def main(argv: list[str] | None = None) -> int:
 
         cfg = PipelineConfig.model_validate(apply_overrides(cfg.model_dump(), args.overrides))
     t0 = time.monotonic()
+    configs: list[tuple[str, str, Any]] = []  # (name, mode, groups of a static split)
+    if "colocated" in modes:
+        configs.append(("colocated", "colocated", None))
+    if "disaggregated" in modes:
+        configs += [(f"static {name}", "disaggregated", groups) for name, groups in GROUPINGS.items()]
+    if "shiftable" in modes:
+        configs.append(("shiftable", "shiftable", None))
+    load = [os.getloadavg()[0]] if hasattr(os, "getloadavg") else []
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in configs}
+    for rep in range(args.repeats):
+        order = configs[rep % len(configs) :] + configs[: rep % len(configs)]  # rotate: no fixed slot
+        for name, mode, groups in order:
+            control = StaticGroupsControl(groups) if groups is not None else None
+            r = run_mode(cfg, mode, control=control)
+            runs[name].append(r)
+            if load:
+                load.append(os.getloadavg()[0])
+            dt = " ".join(
+                f"{d}[{' '.join(f'{k[:2]} {v:.2f}' for k, v in t.items() if k not in ('wall',) and v)}]"
+                for d, t in r["device_time"].items()
+            )
+            print(
+                f"repeat {rep + 1}/{args.repeats} {name:<30} {r['tokens_per_s_per_device']:8.1f} tok/s/device"
+                f"  it {statistics.median(r['iteration_seconds']):.2f}s  shifts {r['shifts']:3d}  s/it: {dt}",
+                flush=True,
+            )
     out: dict[str, Any] = {
         "workload": {
             "model_size": args.model_size,
             "devices": 2,
             "iterations": cfg.run.iterations,
+            "measured_iterations": cfg.run.iterations - WARMUP,
+            "repeats": args.repeats,
             "samples_per_iteration": cfg.task.prompts_per_iteration * cfg.task.group_size,
         },
+        "load_average_1m": {"min": min(load), "median": statistics.median(load), "max": max(load)}
+        if load
+        else None,
         "modes": {},
     }
-    if "colocated" in modes:
-        out["modes"]["colocated"] = run_mode(cfg, "colocated")
-        print(
-            f"colocated {out['modes']['colocated']['tokens_per_s_per_device']:8.1f} tok/s/device", flush=True
-        )
+    if "colocated" in runs:
+        out["modes"]["colocated"] = combine(runs["colocated"])
     best = None
     if "disaggregated" in modes:
-        static: dict[str, Any] = {}
-        for name, groups in GROUPINGS.items():
-            static[name] = run_mode(cfg, "disaggregated", control=StaticGroupsControl(groups))
-            print(
-                f"static {name:<22} {static[name]['tokens_per_s_per_device']:8.1f} tok/s/device", flush=True
-            )
+        static = {name: combine(runs[f"static {name}"]) for name in GROUPINGS}
         best = max(static, key=lambda k: static[k]["tokens_per_s_per_device"])
         out["modes"]["disaggregated"] = {**static[best], "split": best, "all_splits": static}
-    if "shiftable" in modes:
-        out["modes"]["shiftable"] = run_mode(cfg, "shiftable")
+    if "shiftable" in runs:
+        out["modes"]["shiftable"] = combine(runs["shiftable"])
+    print()
+    for mode, r in out["modes"].items():
         print(
-            f"shiftable {out['modes']['shiftable']['tokens_per_s_per_device']:8.1f} tok/s/device", flush=True
+            f"{mode:<14} {r['tokens_per_s_per_device']:8.1f} tok/s/device (median of {args.repeats})"
+            + (f"  split {r['split']}" if "split" in r else "")
         )
     if len(out["modes"]) < 3:
         print(json.dumps(out, indent=1))
@@ -192,6 +273,13 @@ def main(argv: list[str] | None = None) -> int:
             f"{ph['offload']:.3f}s fetch {ph['fetch']:.3f}s load {ph['load']:.3f}s total {ph['total']:.3f}s"
         )
     sh = out["modes"]["shiftable"]["tokens_per_s_per_device"]
+    out["ratio_vs_best_static_repeats"] = [
+        a / b
+        for a, b in zip(
+            out["modes"]["shiftable"]["tokens_per_s_per_device_repeats"],
+            out["modes"]["disaggregated"]["tokens_per_s_per_device_repeats"],
+        )
+    ]
     out["tokens_per_s_per_device"] = {m: r["tokens_per_s_per_device"] for m, r in out["modes"].items()}
     out["best_static_split"] = best
     out["ratio_vs_colocated"] = sh / out["modes"]["colocated"]["tokens_per_s_per_device"]

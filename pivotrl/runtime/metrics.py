@@ -21,6 +21,37 @@ ROLE_CODES: dict[str | None, int] = {None: -1, "rollout": 0, "reward": 1, "train
 ROLES = ("rollout", "reward", "train")
 
 
+DEVICE_TIME_KEYS = ("rollout", "reward", "train", "flush", "shifting", "idle")
+
+
+def device_times(state: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """Cumulative device time per device name from a `pivotrl_state` snapshot: engine-step seconds per
+    role, gradient-flush seconds, shifting seconds, and the scheduler clock."""
+    out = {}
+    for w in state["workers"].values():
+        d = {k: float(v) for k, v in (w.get("busy") or {}).items()}
+        d["shifting"] = float(w.get("shifting_s", 0.0))
+        d["t"] = float(state["t"])
+        out[str(w["name"])] = d
+    return out
+
+
+def device_time_delta(
+    before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]
+) -> dict[str, dict[str, float]]:
+    """Where each device's wall time went between two snapshots: busy per role, flush, shifting, idle
+    (the rest: holding a role with nothing to step, or waiting for a command)."""
+    out = {}
+    for name, a in after.items():
+        b = before.get(name, {})
+        wall = a["t"] - b.get("t", a["t"])
+        d = {k: a.get(k, 0.0) - b.get(k, 0.0) for k in DEVICE_TIME_KEYS if k != "idle"}
+        d["idle"] = max(0.0, wall - sum(d.values()))
+        d["wall"] = wall
+        out[name] = {k: round(v, 4) for k, v in d.items()}
+    return out
+
+
 class IterationMeter:
     def __init__(self, session: Any, log: Callable[[str], None]) -> None:
         self.session = session
@@ -60,6 +91,8 @@ class IterationMeter:
             w["name"]: (w["role"] if w["status"] == "ready" else "shifting") for w in st["workers"].values()
         }
         self.n_devices = len(st["workers"])
+        self.device_time0 = device_times(st)
+        self.plan0 = (st.get("plan_s", 0.0), st.get("plans", 0))
 
     def poll(self, out: dict[str, Any]) -> None:
         """Called with each `collect` reply while an iteration runs."""
@@ -84,7 +117,7 @@ class IterationMeter:
                     f"  shift: device {e['name']} {e['src']} → {e['role']}  "
                     f"(abort {t.get('abort', 0):.2f}s, offload {t.get('offload', 0):.2f}s, "
                     f"fetch {t.get('fetch', 0):.2f}s, load {t.get('load', 0):.2f}s, "
-                    f"total {t.get('total', 0):.2f}s)"
+                    f"total {t.get('total', 0):.2f}s{', warm' if t.get('warm') else ''})"
                 )
             elif e["kind"] == "worker_lost":
                 self.log(
@@ -115,6 +148,12 @@ class IterationMeter:
             "shifts": len(self.shifts),
         }
         row["tokens_per_s_per_device"] = row["tokens_per_s"] / max(1, self.n_devices)
+        per_dev = device_time_delta(self.device_time0, device_times(st))
+        row["device_time"] = per_dev
+        row["plan_s"] = st.get("plan_s", 0.0) - self.plan0[0]  # controller CPU time (scheduler process)
+        row["plans"] = st.get("plans", 0) - self.plan0[1]
+        for key in DEVICE_TIME_KEYS:
+            row[f"dev_{key}_s"] = sum(d.get(key, 0.0) for d in per_dev.values())
         for key in (*ROLES, "shifting", "idle"):
             row[f"alloc_{key}"] = self.alloc.get(key, 0.0) / total_alloc
         for ph in PHASES:

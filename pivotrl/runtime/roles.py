@@ -96,7 +96,16 @@ class GenerationContext(_Weights):
 
     def set_version(self, env: Any, version: int) -> None:
         """Move this replica to another version of the same model (rollout following the policy)."""
-        self.engine.load_state_dict(self.fetch(env, version))
+        self.reload(env, self.fetch(env, version))
+
+    def reload(self, env: Any, state: dict[str, torch.Tensor]) -> None:
+        """New weights into the built engine (a parked context waking up at another version)."""
+        self.engine.load_state_dict(state)
+
+    def parkable(self) -> bool:
+        """Can the built engine stay resident while the device serves another role? (torch engine only:
+        on CPU its memory is host memory anyway; vLLM would hold its GPU memory.)"""
+        return self.engine is not None and self.spec.get("backend", "torch") != "vllm"
 
     def offload(self) -> None:
         if self.engine is not None:
@@ -207,9 +216,15 @@ class TrainContext(_Weights):
             self.ref_model = _build_model(self.spec, env.device, ref_state).eval().requires_grad_(False)
 
     def set_version(self, env: Any, version: int) -> None:
+        self.reload(env, self.fetch(env, version))
+
+    def reload(self, env: Any, state: dict[str, torch.Tensor]) -> None:
         if self.sum is not None:
             raise RuntimeError("train replica asked to change version with an unflushed gradient sum")
-        self.model.load_state_dict(self.fetch(env, version))
+        self.model.load_state_dict(state)
+
+    def parkable(self) -> bool:
+        return self.model is not None and self.sum is None and not self.queue
 
     def offload(self) -> None:
         self.model = self.ref_model = None

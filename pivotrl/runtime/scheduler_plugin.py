@@ -36,6 +36,7 @@ from pivotrl.runtime.control import Control, Decision, ManualControl
 logger = logging.getLogger(__name__)
 
 PLUGIN_NAME = "pivotrl"
+EVENT_TICK_GAP_S = 0.01
 
 
 @dataclass
@@ -82,6 +83,11 @@ class WorkerInfo:
     flush: bool = False
     last_sync: float = 0.0
     tokens_per_s: float = 0.0
+    # device-time accounting (seconds): engine steps per role, gradient flushes, shifts (scheduler-side,
+    # from the decision to `shift_done`, so command latency counts); the rest of the wall time is idle
+    busy: dict[str, float] = field(default_factory=dict)
+    shifting_s: float = 0.0
+    shift_since: float | None = None
 
 
 class PivotSchedulerPlugin(SchedulerPlugin):
@@ -117,6 +123,9 @@ class PivotSchedulerPlugin(SchedulerPlugin):
         self._shift_ids = itertools.count()
         self._t0 = time.monotonic()
         self._last_sample = -1e9
+        self._last_tick = -1e9
+        self.plan_s = 0.0
+        self.plans = 0
         self._tokens: dict[str, int] = {}  # role → tokens produced since start
         self._task: asyncio.Task | None = None
 
@@ -257,6 +266,8 @@ class PivotSchedulerPlugin(SchedulerPlugin):
         shift_id = f"s{next(self._shift_ids)}"
         info.shift = {"id": shift_id, "role": role, "spec": spec, "from": info.role, "decision": decision}
         info.status = "shifting"
+        if info.shift_since is None:
+            info.shift_since = now
         self.control.on_shift_started(addr, role, now)
         self.log(
             "shift_start",
@@ -298,13 +309,31 @@ class PivotSchedulerPlugin(SchedulerPlugin):
     # -- ticking and dispatch -------------------------------------------------------------------------
     def tick(self) -> None:
         now = self.now()
+        self._last_tick = now
+        t0 = time.perf_counter()
         decision = self.control.tick(now)
+        self.plan_s += time.perf_counter() - t0  # the controller's CPU cost, reported in the state
+        self.plans += 1
         if decision is not None and (decision.shifts or decision.aborts or decision.dispatch):
             self.apply(decision)
         self._maybe_flush()
         self._dispatch()
         if now - self._last_sample >= self.sample_s:
             self._sample(now)
+
+    def _tick_on_event(self) -> None:
+        """Plan now rather than at the next periodic tick: new work arrived or a role ran dry, the two
+        moments a stage transition can start (at most one extra tick per `EVENT_TICK_GAP_S`)."""
+        if self.now() - self._last_tick >= EVENT_TICK_GAP_S:
+            try:
+                self.tick()
+            except Exception:
+                logger.exception("pivotrl event tick failed")
+
+    def _role_drained(self, roles: set[str]) -> bool:
+        """Has one of `roles` no item left waiting, assigned or running?"""
+        busy = {i.role for i in self.items.values() if i.state in ("waiting", "assigned", "running")}
+        return bool(roles - busy)
 
     def _dispatch(self) -> None:
         free = {a: max(0, w.free - len(w.outbox)) for a, w in self.workers.items() if w.status == "ready"}
@@ -327,7 +356,11 @@ class PivotSchedulerPlugin(SchedulerPlugin):
         ]
         if open_items:
             return
-        holders = {i.worker for i in self.items.values() if i.state == "accumulated" and i.worker}
+        holders = {
+            i.worker
+            for i in self.items.values()
+            if i.state == "accumulated" and i.worker and i.iteration <= self.flush_upto
+        }
         for addr in holders:
             if addr in self.workers and not self.workers[addr].flush:
                 self.workers[addr].flush = True
@@ -387,19 +420,25 @@ class PivotSchedulerPlugin(SchedulerPlugin):
             item.generated = list(res.get("generated", item.generated))
             item.logprobs = list(res.get("logprobs", item.logprobs))
             self._requeue(item, now)
+        finished_roles = {self.items[r["id"]].role for r in finished or () if r["id"] in self.items}
         for res in finished or ():
             self._finish(worker, res, now)
         for concurrency, step_time, tokens in steps or ():
             role = info.role or "?"
             self._tokens[role] = self._tokens.get(role, 0) + int(tokens)
+            info.busy[role] = info.busy.get(role, 0.0) + float(step_time)
             if step_time > 0:
                 info.tokens_per_s = 0.7 * info.tokens_per_s + 0.3 * tokens / step_time
             self.control.on_step(worker, int(concurrency), float(step_time), int(tokens), now)
         if flushed is not None:
+            info.busy["flush"] = info.busy.get("flush", 0.0) + float(flushed.get("seconds", 0.0))
             self._flushed(worker, flushed, now)
         if shift_done is not None and info.shift is not None and shift_done.get("id") == info.shift["id"]:
             role = info.shift["role"]
             info.role, info.status, info.shift = role, "ready", None
+            if info.shift_since is not None:
+                info.shifting_s += now - info.shift_since
+                info.shift_since = None
             timings = {k: float(v) for k, v in shift_done.get("timings", {}).items()}
             self.log(
                 "shift_done",
@@ -413,6 +452,8 @@ class PivotSchedulerPlugin(SchedulerPlugin):
             follow = self.control.on_shift_done(worker, role, timings, now)
             if follow is not None:
                 self.apply(follow)
+        if finished_roles and self._role_drained(finished_roles):
+            self._tick_on_event()
         if info.status == "ready":
             self._dispatch()
         reply = {
@@ -493,6 +534,7 @@ class PivotSchedulerPlugin(SchedulerPlugin):
                 raise ValueError(f"duplicate item id {item.id!r}")
             self.items[item.id] = item
             self.control.submit(item, now)
+        self._tick_on_event()
         self._dispatch()
         return len(items)
 
@@ -534,12 +576,13 @@ class PivotSchedulerPlugin(SchedulerPlugin):
         return len(items)
 
     def handle_state(self) -> dict[str, Any]:
+        now = self.now()
         counts: dict[str, dict[str, int]] = {}
         for item in self.items.values():
             c = counts.setdefault(item.role, {})
             c[item.state] = c.get(item.state, 0) + 1
         return {
-            "t": self.now(),
+            "t": now,
             "workers": {
                 a: {
                     "name": w.name,
@@ -547,11 +590,15 @@ class PivotSchedulerPlugin(SchedulerPlugin):
                     "status": w.status,
                     "free": w.free,
                     "tokens_per_s": w.tokens_per_s,
+                    "busy": dict(w.busy),
+                    "shifting_s": w.shifting_s + (now - w.shift_since if w.shift_since is not None else 0.0),
                 }
                 for a, w in self.workers.items()
             },
             "items": counts,
             "tokens": dict(self._tokens),
+            "plan_s": self.plan_s,
+            "plans": self.plans,
             "control": self.control.snapshot(),
         }
 

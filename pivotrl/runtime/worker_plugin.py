@@ -93,6 +93,7 @@ class PivotWorkerPlugin(WorkerPlugin):
         progress_every_s: float = 0.5,
         contexts: dict[str, str] | None = None,
         session: str = "",
+        park_contexts: bool | None = None,
     ) -> None:
         self.session = session
         self.torch_threads = torch_threads
@@ -103,6 +104,9 @@ class PivotWorkerPlugin(WorkerPlugin):
         self.idle_poll_s = idle_poll_s
         self.progress_every_s = progress_every_s
         self.contexts = {**DEFAULT_CONTEXTS, **(contexts or {})}
+        # Keep the built context of a role the device leaves ("parked", like vLLM's sleep mode) so shifting
+        # back skips building the model and engine: default on CPU, where device memory is host memory.
+        self.park_contexts = park_contexts
 
     # -- lifecycle ------------------------------------------------------------------------------------
     def setup(self, worker: Any) -> None:
@@ -127,6 +131,8 @@ class PivotWorkerPlugin(WorkerPlugin):
         self._pending: list[dict[str, Any]] = []
         self._last_progress = 0.0
         self.shift_log: list[dict[str, Any]] = []
+        self._parked: dict[str, Any] = {}  # role → context kept resident while serving another role
+        self._park = self.park_contexts if self.park_contexts is not None else device == "cpu"
         self._thread = threading.Thread(target=self._run, name="pivotrl-role-host", daemon=True)
         self._thread.start()
 
@@ -135,10 +141,12 @@ class PivotWorkerPlugin(WorkerPlugin):
         self._stop.set()
         if self._thread.is_alive():
             await asyncio.to_thread(self._thread.join, 30)
-        if self.ctx is not None:
-            with contextlib.suppress(Exception):
-                self.ctx.offload()
-            self.ctx = None
+        for ctx in [self.ctx, *self._parked.values()]:
+            if ctx is not None:
+                with contextlib.suppress(Exception):
+                    ctx.offload()
+        self.ctx = None
+        self._parked.clear()
 
     @staticmethod
     def _empty_out() -> dict[str, Any]:
@@ -215,9 +223,7 @@ class PivotWorkerPlugin(WorkerPlugin):
         if reply.get("abort") and self.ctx is not None:
             self._abort(reply["abort"])
         if reply.get("flush") and self.ctx is not None:
-            flushed = self.ctx.flush()
-            if flushed is not None:
-                self._out["flushed"] = flushed
+            self._flush()
         self._pending.extend(reply.get("assign") or ())
         if self.ctx is None:
             return False
@@ -233,6 +239,37 @@ class PivotWorkerPlugin(WorkerPlugin):
         if time.perf_counter() - self._last_progress >= self.progress_every_s:
             self._report_progress()
         return True
+
+    def _offload_or_park(self, ctx: Any, role: str | None, keep: bool) -> None:
+        """Free the context, or keep it resident for a later shift back (one per role)."""
+        parkable = getattr(ctx, "parkable", None)
+        if self._park and keep and role is not None and parkable is not None and parkable():
+            old = self._parked.pop(role, None)
+            if old is not None and old is not ctx:
+                old.offload()
+            self._parked[role] = ctx
+        else:
+            ctx.offload()
+
+    def _unpark(self, role: str, spec: dict[str, Any]) -> Any:
+        """The parked context of `role` if it serves the same model with the same options, else None."""
+        ctx = self._parked.pop(role, None)
+        if ctx is None:
+            return None
+        same = {k: v for k, v in ctx.spec.items() if k != "version"} == {
+            k: v for k, v in spec.items() if k != "version"
+        }
+        if same:
+            return ctx
+        ctx.offload()
+        return None
+
+    def _flush(self) -> None:
+        """Publish the context's local gradient sum (train), timed: device time the scheduler counts."""
+        t0 = time.perf_counter()
+        flushed = self.ctx.flush()
+        if flushed is not None:
+            self._out["flushed"] = {**flushed, "seconds": time.perf_counter() - t0}
 
     def _admit(self) -> None:
         """Hand pending items to the context; an item that needs another weights version waits until the
@@ -287,9 +324,7 @@ class PivotWorkerPlugin(WorkerPlugin):
         t_start = time.perf_counter()
         t = t_start
         if self.ctx is not None:
-            flushed = self.ctx.flush()  # a train replica hands in its partial gradient sum first
-            if flushed is not None:
-                self._out["flushed"] = flushed
+            self._flush()  # a train replica hands in its partial gradient sum first
             self._abort(None)
         else:
             self._pending.clear()
@@ -297,22 +332,34 @@ class PivotWorkerPlugin(WorkerPlugin):
         self._sync()  # hand the aborted sequences back now, so other replicas resume them during our load
         t = time.perf_counter()
         if self.ctx is not None:
-            self.ctx.offload()
+            self._offload_or_park(self.ctx, self.role, keep=cmd["role"] is not None)
             self.ctx = None
+        if cmd["role"] is None:  # going idle frees everything, parked contexts included
+            for parked in self._parked.values():
+                parked.offload()
+            self._parked.clear()
         timings["offload"] = time.perf_counter() - t
         spec = cmd["spec"]
         ctx = None
         timings["fetch"] = timings["load"] = 0.0
         if cmd["role"] is not None:  # role None: the device only goes idle (its weights freed)
-            cls = resolve(spec.get("context") or self.contexts[cmd["role"]])
-            ctx = cls(cmd["role"], spec)
-            t = time.perf_counter()
-            state = ctx.fetch(self.env, spec.get("version"))
-            timings["fetch"] = time.perf_counter() - t
-            t = time.perf_counter()
-            ctx.load(self.env, state)
-            del state
-            timings["load"] = time.perf_counter() - t
+            ctx = self._unpark(cmd["role"], spec)
+            timings["warm"] = 0.0 if ctx is None else 1.0
+            want = spec.get("version")
+            if ctx is None or want is None or ctx.version != int(want):
+                if ctx is None:
+                    cls = resolve(spec.get("context") or self.contexts[cmd["role"]])
+                    ctx = cls(cmd["role"], spec)
+                t = time.perf_counter()
+                state = ctx.fetch(self.env, want)
+                timings["fetch"] = time.perf_counter() - t
+                t = time.perf_counter()
+                if timings["warm"]:
+                    ctx.reload(self.env, state)  # the resident engine takes the new version's weights
+                else:
+                    ctx.load(self.env, state)
+                del state
+                timings["load"] = time.perf_counter() - t
         timings["total"] = time.perf_counter() - t_start
         self.ctx, self.role = ctx, cmd["role"]
         self._reported.clear()

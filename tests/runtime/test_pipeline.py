@@ -127,8 +127,10 @@ def test_overlong_budget_and_truncated_reward_skip_the_judge(setup):
     """The runtime's stages apply the single-process loop's DAPO-style overlong handling."""
     tok, task, cfg = setup
     cfg = PipelineConfig.model_validate(
-        {"reward": {"budget_per_item": 2, "budget_slack": 2, "truncated_reward": -1.0},
-         "rollout": {"sampling": {"max_new_tokens": 24}}}
+        {
+            "reward": {"budget_per_item": 2, "budget_slack": 2, "truncated_reward": -1.0},
+            "rollout": {"sampling": {"max_new_tokens": 24}},
+        }
     )
     ctx = StageContext(tokenizer=tok, task=task, cfg=cfg)
     problem = task.make([3, 1, 2], uid="p")

@@ -1,5 +1,6 @@
 """Real role contexts (generation engine, GRPO gradients, GPS) on a real LocalCluster: shift overhead of the
-`small` model, and `submit` end to end with debug models. Both take ~40 s on a busy 2-core box: `slow`."""
+`small` model (cold), parked contexts shifting back warm, and `submit` end to end with debug models. Each
+takes ~40-60 s on a busy 2-core box: `slow`."""
 
 from __future__ import annotations
 
@@ -63,7 +64,8 @@ def test_small_model_shift_overhead_under_1_5_s(small_gps):
             control=ManualControl(["rollout", "rollout"]),
             role_specs=specs,
             worker_options={
-                "gps": {"root": str(root / "store"), "host_tier": str(host), "device_tier_bytes": 0}
+                "gps": {"root": str(root / "store"), "host_tier": str(host), "device_tier_bytes": 0},
+                "park_contexts": False,  # the cold overhead: every shift builds its context
             },
         )
         st = sess.wait_ready(2, timeout_s=120)
@@ -105,6 +107,101 @@ def test_small_model_shift_overhead_under_1_5_s(small_gps):
         },
     )
     assert statistics.mean(totals) <= 1.5
+
+
+def _gen_items(tag: str, version: int, n: int = 4) -> list[dict]:
+    return [
+        {
+            "id": f"{tag}-{i}",
+            "role": "rollout",
+            "payload": {
+                "prompt_ids": [1, 20, 21, 22, 23],
+                "version": version,
+                "sampling": {"temperature": 1.0, "max_new_tokens": 12, "seed": 100 + i},
+            },
+        }
+        for i in range(n)
+    ]
+
+
+def _collect(sess: RuntimeSession, n: int, timeout_s: float = 60.0) -> dict[str, dict]:
+    got: dict[str, dict] = {}
+    deadline = time.monotonic() + timeout_s
+    while len(got) < n:
+        got.update({r["id"]: r for r in sess.collect()["results"]})
+        assert time.monotonic() < deadline, sorted(got)
+        time.sleep(0.03)
+    return got
+
+
+@pytest.mark.slow
+def test_parked_context_shifts_back_warm_and_follows_versions(tmp_path):
+    """On CPU a device keeps the context of a role it leaves (parked): shifting back skips the build (no
+    fetch, no load at the same version; only a weight swap at a newer one), and generates exactly what a
+    freshly built context generates."""
+    from pivotrl.engines.models import create_model, init_state_dict, load_config, load_state_dict
+    from pivotrl.gps import ParameterStore
+
+    model_dir = create_model("debug", tmp_path / "m", seed=0)
+    store = tmp_path / "store"
+    with ParameterStore(store, device_tier_bytes=0) as gps:
+        gps.publish("policy", 0, load_state_dict(model_dir))
+        gps.publish("policy", 1, init_state_dict(load_config(model_dir), 7))
+        gps.flush()
+    common = {"model": "policy", "version": 0, "hf_dir": str(model_dir), "kv_budget_tokens": 2048}
+    specs = {"rollout": {**common, "max_batch": 8}, "reward": {**common, "max_batch": 8}, "train": common}
+    with open_cluster(workers=2, dashboard_address=None) as handle:
+        sess = RuntimeSession.install(
+            handle.client,
+            control=ManualControl(["rollout", "reward"]),
+            role_specs=specs,
+            worker_options={"gps": {"root": str(store), "device_tier_bytes": 0}},
+        )
+        st = sess.wait_ready(2, timeout_s=120)
+        names = {w["name"]: (a, w["role"]) for a, w in st["workers"].items()}
+        dev, cold = (
+            next(a for a, r in names.values() if r == "rollout"),
+            next(a for a, r in names.values() if r == "reward"),
+        )
+        sess.submit(_gen_items("before", 0))
+        before = _collect(sess, 4)
+        for role in ("train", "rollout"):  # away and back: the rollout engine was parked
+            sess.shift(dev, role)
+            sess.wait_ready(2, roles={st["workers"][dev]["name"]: role}, timeout_s=60)
+        sess.submit(_gen_items("after", 0))
+        after = _collect(sess, 4)
+        for i in range(4):
+            assert after[f"after-{i}"]["generated"] == before[f"before-{i}"]["generated"]
+        # a newer version: the parked engine swaps weights; its tokens match a freshly built engine's
+        sess.client.sync(sess.client.scheduler.pivotrl_set_version, role="rollout", version=1)
+        sess.shift(dev, "reward")
+        sess.wait_ready(2, roles={st["workers"][dev]["name"]: "reward"}, timeout_s=60)
+        sess.shift(cold, "rollout")  # never held rollout: built cold at version 1
+        sess.wait_ready(2, roles={st["workers"][cold]["name"]: "rollout"}, timeout_s=60)
+        sess.submit(_gen_items("cold", 1))
+        fresh = _collect(sess, 4)
+        assert {r["worker"] for r in fresh.values()} == {cold}
+        sess.shift(cold, "train")
+        sess.wait_ready(2, roles={st["workers"][cold]["name"]: "train"}, timeout_s=60)
+        sess.shift(dev, "rollout")
+        sess.wait_ready(2, roles={st["workers"][dev]["name"]: "rollout"}, timeout_s=60)
+        sess.submit(_gen_items("warm", 1))
+        warm = _collect(sess, 4)
+        assert {r["worker"] for r in warm.values()} == {dev}
+        for i in range(4):
+            assert warm[f"warm-{i}"]["generated"] == fresh[f"cold-{i}"]["generated"]
+            assert warm[f"warm-{i}"]["version"] == 1
+        assert fresh["cold-0"]["generated"] != before["before-0"]["generated"]
+        shifts = [e for e in sess.metrics()["events"] if e["kind"] == "shift_done" and e["src"] is not None]
+    by = [(e["worker"], e["src"], e["role"], e["timings"]) for e in shifts]
+    back_same = by[1]  # dev: train -> rollout at version 0
+    assert back_same[:3] == (dev, "train", "rollout") and back_same[3]["warm"] == 1.0
+    assert back_same[3]["fetch"] == 0.0 and back_same[3]["load"] == 0.0
+    back_new = by[-1]  # dev: reward -> rollout at version 1
+    assert back_new[:3] == (dev, "reward", "rollout") and back_new[3]["warm"] == 1.0
+    assert back_new[3]["fetch"] > 0.0
+    first_train = by[0]
+    assert first_train[3]["warm"] == 0.0  # nothing parked for train yet: built
 
 
 @pytest.mark.slow

@@ -27,13 +27,28 @@ def test_kl_reference_comes_from_the_gps_and_matches_the_trainer(debug_model_dir
     ref_sd = load_state_dict(debug_model_dir)
     cur_sd = {k: v + 0.01 * torch.randn_like(v) for k, v in ref_sd.items()}  # policy has moved from v0
     env = SimpleNamespace(device="cpu", gps=_Store({0: ref_sd, 3: cur_sd}), name="w0")
-    spec = {"model": "policy", "hf_dir": str(debug_model_dir), "micro_batch": 4, "clip_eps": 0.2,
-            "kl_coef": 0.1, "ref_version": 0, "pad_id": 0, "version": 3}
+    spec = {
+        "model": "policy",
+        "hf_dir": str(debug_model_dir),
+        "micro_batch": 4,
+        "clip_eps": 0.2,
+        "kl_coef": 0.1,
+        "ref_version": 0,
+        "pad_id": 0,
+        "version": 3,
+    }
     ctx = TrainContext("train", spec)
     ctx.load(env, cur_sd)
     items = [
-        {"id": f"s{i}", "payload": {"prompt_ids": [1, 5 + i, 7], "response_ids": [9, 10 + i, 2],
-                                    "advantage": 0.5 - i * 0.3, "logprobs": None}}
+        {
+            "id": f"s{i}",
+            "payload": {
+                "prompt_ids": [1, 5 + i, 7],
+                "response_ids": [9, 10 + i, 2],
+                "advantage": 0.5 - i * 0.3,
+                "logprobs": None,
+            },
+        }
         for i in range(3)
     ]
     for it in items:
@@ -44,8 +59,15 @@ def test_kl_reference_comes_from_the_gps_and_matches_the_trainer(debug_model_dir
     policy.load_state_dict(cur_sd)
     ref.load_state_dict(ref_sd)
     samples = [TrainSample([1, 5 + i, 7], [9, 10 + i, 2], 0.5 - i * 0.3) for i in range(3)]
-    want = compute_grad_sum(policy, samples, pad_id=0, micro_batch=4,
-                            loss=LossConfig(clip_eps=0.2, kl_coef=0.1), ref_model=ref, version=3)
+    want = compute_grad_sum(
+        policy,
+        samples,
+        pad_id=0,
+        micro_batch=4,
+        loss=LossConfig(clip_eps=0.2, kl_coef=0.1),
+        ref_model=ref,
+        version=3,
+    )
     no_kl = compute_grad_sum(policy, samples, pad_id=0, micro_batch=4, loss=LossConfig(), version=3)
     for name, g in want.grads.items():
         torch.testing.assert_close(ctx.sum.grads[name], g, rtol=1e-4, atol=1e-6)
