@@ -9,8 +9,8 @@ resume that partial sequence on *another* device. This engine does exactly that:
   and samples all rows at once. A finished sequence leaves in the same step and its slot is reused.
 * **KV cache.** One pre-allocated slot cache `[layers, max_batch, kv_heads, cap, head_dim]` (see
   `model.KVSlots`). Running sequences are kept compact in slots 0..B-1 (a finished row is replaced by the
-  last row), so decode attends to a plain view (grouped matmuls, a length bias). `cap` starts small and doubles
-  when a sequence needs more room — a rare, amortised copy, never a per-step reallocation.
+  last row), so decode attends to a plain view (grouped matmuls, a length bias). `cap` starts small and
+  doubles when a sequence needs more room — a rare, amortised copy, never a per-step reallocation.
 * **KV budget.** `kv_budget_tokens` bounds the sum over running sequences of their *reservation*
   ``min(len(prompt) + max_new_tokens, max_seq_len)``, i.e. the most tokens each could ever cache. Admission
   waits until a reservation fits, so the cache can never overflow the budget mid-flight.
