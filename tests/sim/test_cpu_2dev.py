@@ -43,3 +43,12 @@ def test_plan_cli_lists_groupings(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", str(CPU2), "--set", "workload.iterations=1"]) == 0
     out = capsys.readouterr().out
     assert "reward:1 | rollout+train:1" in out and "role groupings" in out
+
+
+def test_driver_passes_the_profile_trust_to_core() -> None:
+    from pivotrl.sim.driver import controller_config
+
+    cfg = load_sim_config(CPU2)
+    assert controller_config(cfg).prior_weight == cfg.scheduler.prior_weight == 1e9
+    cfg = load_sim_config(CPU2, ["scheduler.prior_weight=2"])
+    assert controller_config(cfg).prior_weight == 2.0

@@ -14,8 +14,8 @@ SANITY = Path(__file__).resolve().parents[2] / "configs/sim/sanity"
 
 # These check core's planner as much as the simulator. With core f2f3b35 and with branch `planner`'s core
 # the fluid-limit check passes (0.98) and the perfect-static one does not (0.958 of static; cause, what was
-# tried and why a horizon-H planner runs a wave there: docs/sim-needs-from-core.md, item 7). strict=True: when core's planner passes it, the XPASS fails the suite
-# so the mark gets removed.
+# tried and why a horizon-H planner runs a wave there: docs/sim-needs-from-core.md, item 7).
+# strict=True: when core's planner passes it, the XPASS fails the suite so the mark gets removed.
 PLANNER_GAP = pytest.mark.xfail(strict=True, reason="core planner gap, see docs/sim-needs-from-core.md")
 
 
