@@ -65,7 +65,12 @@ def workload(quick: bool, storage: Path, model_size: str) -> Any:
         },
         "task": {
             "name": "sort",
-            "prompts_per_iteration": 8 if quick else 16,
+            # 32 x 4 = 128 samples: more than one engine batch (max_batch 32), as in any real RL iteration
+            # (the paper's has 8,192). With 8 prompts (32 samples, the first session's quick size) every
+            # role's work fits one device's batch, so splitting a role over both devices gains nothing on
+            # an overhead-bound CPU decode and no dynamic scheme can beat a static pipeline; measured and
+            # reported in docs/runtime.md (`--set task.prompts_per_iteration=8`).
+            "prompts_per_iteration": 32 if quick else 64,
             "group_size": 4,
             "eval_prompts": 0,
         },
