@@ -57,21 +57,25 @@ def linear(m: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """`m(x)`, through a oneDNN-prepacked weight when the module was packed and no gradient is wanted.
 
     Why: for decode-sized batches on CPU, MKL re-packs the weight on every call; a weight packed once is
-    15-35% faster. The packed copy is refreshed whenever the weight changes (its tensor version moves, as
-    on `load_state_dict` or an optimizer step), so a packed module never computes with stale weights.
+    15-35% faster. The packed copy is refreshed whenever the weight changes (its tensor version or storage
+    moves, as on `load_state_dict`, an optimizer step or `.to()`), so a packed module never computes with
+    stale weights; a weight cast away from fp32 or moved off the CPU drops it.
     """
     packed = m.__dict__.get("_packed")
     if packed is None or torch.is_grad_enabled() or x.device.type != "cpu":
         return m(x)
     w = m.weight
-    if packed[1] is not w or packed[2] != w._version:
+    if w.dtype != torch.float32 or w.device.type != "cpu":  # moved or cast (`.to()`): packing is fp32 CPU
+        m.__dict__.pop("_packed", None)
+        return m(x)
+    if packed[1] is not w or packed[2] != w._version or packed[3] != w.data_ptr():
         packed = _pack(m)
     return torch.ops.mkldnn._linear_pointwise(x, packed[0], m.bias, "none", [], "")
 
 
 def _pack(m: nn.Linear, batch_hint: int = 32):
     w = m.weight
-    packed = (torch.ops.mkldnn._reorder_linear_weight(w.detach(), batch_hint), w, w._version)
+    packed = (torch.ops.mkldnn._reorder_linear_weight(w.detach(), batch_hint), w, w._version, w.data_ptr())
     m.__dict__["_packed"] = packed
     return packed
 
@@ -91,6 +95,9 @@ class FusedLinear:
         self.sizes = [m.out_features for m in parts]
         self._state: tuple | None = None
         self.pack = False
+        # Off until an inference engine asks (`CausalLM.pack_for_inference`): a trainer's no-grad passes
+        # (old/reference log-probs) keep the per-layer path and never pay for a fused copy of the weights.
+        self.enabled = False
 
     def _key(self) -> tuple:
         return tuple((m.weight.data_ptr(), m.weight._version, m.weight.dtype) for m in self.parts)
@@ -153,7 +160,7 @@ class Attention(nn.Module):
     def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         b, t, _ = x.shape
         d = self.head_dim
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() or not self.qkv.enabled:
             q, k, v = linear(self.q_proj, x), linear(self.k_proj, x), linear(self.v_proj, x)
         else:
             q, k, v = self.qkv(x).split(self.qkv.sizes, dim=-1)
@@ -210,7 +217,7 @@ class MLP(nn.Module):
         self.gate_up = FusedLinear([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() or not self.gate_up.enabled:
             return linear(self.down_proj, F.silu(linear(self.gate_proj, x)) * linear(self.up_proj, x))
         gate, up = self.gate_up(x).chunk(2, dim=-1)
         return linear(self.down_proj, F.silu(gate).mul_(up))
@@ -297,12 +304,15 @@ class CausalLM(nn.Module):
     def pack_for_inference(self, enable: bool = True) -> bool:
         """Prepack the inference weights for fast CPU calls (oneDNN); returns whether packing is on.
 
-        q/k/v and gate/up are packed fused (see `FusedLinear`); o/down/lm_head each on their own. Costs one
-        extra copy of the weights; only no-grad calls use it, training is unchanged. `enable=False` drops
-        every packed and fused copy (an offloaded engine gives the memory back).
+        Also switches no-grad calls to the fused q/k/v and gate/up matmuls (see `FusedLinear`; on CPU fp32
+        packed fused, o/down/lm_head packed each on their own). Costs one extra copy of the weights; only
+        no-grad calls use it, training is unchanged. `enable=False` drops every packed and fused copy (an
+        offloaded engine gives the memory back) and returns no-grad calls to the per-layer path.
         """
-        enable = enable and _can_pack() and self.lm_head.weight.device.type == "cpu"
         fused = [f for m in self.modules() for f in vars(m).values() if isinstance(f, FusedLinear)]
+        for f in fused:
+            f.enabled = enable
+        enable = enable and _can_pack() and self.lm_head.weight.device.type == "cpu"
         in_fused = {id(p) for f in fused for p in f.parts}
         for f in fused:
             f.pack = enable

@@ -162,16 +162,21 @@ def test_fused_inference_path_equals_training_path_and_tracks_updates():
     model.load_state_dict(_random_weights(config, seed=4))
     ids = torch.randint(4, config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
+        model(ids)  # not enabled: a trainer's no-grad pass builds no fused copy
+    assert model.model.layers[0].self_attn.qkv._state is None
+    model.pack_for_inference()
+    with torch.no_grad():
         fused = model(ids)
+    assert model.model.layers[0].self_attn.qkv._state is not None
     unfused = model(ids)  # grad enabled: one call per Linear
-    assert torch.allclose(fused, unfused.detach(), atol=1e-5)
+    assert torch.allclose(fused, unfused.detach(), rtol=1e-5, atol=1e-4)
     torch.optim.SGD(model.parameters(), lr=0.5).zero_grad()
     unfused.float().logsumexp(-1).mean().backward()
     torch.optim.SGD(model.parameters(), lr=0.5).step()  # in-place update: tensor versions move
     with torch.no_grad():
         after = model(ids)
     assert not torch.allclose(after, fused, atol=1e-3)
-    assert torch.allclose(after, model(ids).detach(), atol=1e-5)
+    assert torch.allclose(after, model(ids).detach(), rtol=1e-5, atol=1e-3)  # stale weights: ~300 off
     model.to(torch.float64)
     with torch.no_grad():
         assert model(ids).dtype == torch.float64
