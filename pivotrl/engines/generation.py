@@ -164,6 +164,22 @@ class RequestBook:
         """KV tokens admission reserves for `req`: everything it could ever cache."""
         return min(len(req.prompt_ids) + req.sampling.max_new_tokens, self.max_seq_len)
 
+    def _take_queued(self, wanted: set[str]) -> list[GenResult]:
+        """Remove the wanted sequences that are not running (waiting, or finished but unreported) and
+        return them as they stand: the part of `abort` that needs no engine."""
+        out: list[GenResult] = []
+        for req in [w for w in self.waiting if w.seq_id in wanted]:
+            self.waiting.remove(req)
+            out.append(
+                GenResult(
+                    req.seq_id, list(req.prompt_ids), list(req.generated_ids), list(req.logprobs), "abort"
+                )
+            )
+        for res in [r for r in self._ready if r.seq_id in wanted]:
+            self._ready.remove(res)
+            out.append(res)
+        return out
+
     def add(self, req: GenRequest) -> None:
         raise NotImplementedError
 
@@ -304,17 +320,7 @@ class GenerationEngine(RequestBook):
     def abort(self, seq_ids) -> list[GenResult]:
         """Stop these sequences now; return each with what it generated so far (unknown ids ignored)."""
         wanted = set(seq_ids)
-        out: list[GenResult] = []
-        for req in [w for w in self.waiting if w.seq_id in wanted]:
-            self.waiting.remove(req)
-            out.append(
-                GenResult(
-                    req.seq_id, list(req.prompt_ids), list(req.generated_ids), list(req.logprobs), "abort"
-                )
-            )
-        for res in [r for r in self._ready if r.seq_id in wanted]:
-            self._ready.remove(res)
-            out.append(res)
+        out = self._take_queued(wanted)
         rows = [i for i, r in enumerate(self.running) if r.req.seq_id in wanted]
         if rows:
             out += self._release(rows, ["abort"] * len(rows))

@@ -175,17 +175,7 @@ class VLLMEngine(RequestBook):
 
     def abort(self, seq_ids) -> list[GenResult]:
         wanted = set(seq_ids)
-        out: list[GenResult] = []
-        for req in [w for w in self.waiting if w.seq_id in wanted]:
-            self.waiting.remove(req)
-            out.append(
-                GenResult(
-                    req.seq_id, list(req.prompt_ids), list(req.generated_ids), list(req.logprobs), "abort"
-                )
-            )
-        for res in [r for r in self._ready if r.seq_id in wanted]:
-            self._ready.remove(res)
-            out.append(res)
+        out = self._take_queued(wanted)
         ids = [s for s in wanted if s in self.running]
         if ids:
             self.engine.abort_request(ids)
