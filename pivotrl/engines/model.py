@@ -121,11 +121,8 @@ class FusedLinear:
         key = self._key()
         state = self._state if self._state is not None and self._state[0] == key else self._build(key)
         _, w, b, packed = state
-        if packed is not None and x.device.type == "cpu":
+        if packed is not None:  # only built for CPU weights, hence a CPU input
             return torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
-        if w is None:  # packed for CPU but called elsewhere: rebuild unpacked
-            self.pack = False
-            _, w, b, _ = self._build(key)
         return F.linear(x, w, b)
 
     def clear(self) -> None:
