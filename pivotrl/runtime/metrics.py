@@ -21,7 +21,7 @@ ROLE_CODES: dict[str | None, int] = {None: -1, "rollout": 0, "reward": 1, "train
 ROLES = ("rollout", "reward", "train")
 
 
-DEVICE_TIME_KEYS = ("rollout", "reward", "train", "flush", "shifting", "idle")
+DEVICE_TIME_KEYS = ("rollout", "reward", "train", "flush", "shifting", "sync", "idle")
 
 
 def device_times(state: dict[str, Any]) -> dict[str, dict[str, float]]:
@@ -31,6 +31,7 @@ def device_times(state: dict[str, Any]) -> dict[str, dict[str, float]]:
     for w in state["workers"].values():
         d = {k: float(v) for k, v in (w.get("busy") or {}).items()}
         d["shifting"] = float(w.get("shifting_s", 0.0))
+        d["sync"] = float(w.get("sync_s", 0.0))
         d["t"] = float(state["t"])
         out[str(w["name"])] = d
     return out

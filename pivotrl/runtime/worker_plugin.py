@@ -130,6 +130,7 @@ class PivotWorkerPlugin(WorkerPlugin):
         self._reported: dict[str, int] = {}
         self._pending: list[dict[str, Any]] = []
         self._last_progress = 0.0
+        self._sync_s = 0.0  # wall time this loop spent blocked on `pivotrl_sync` (reported, cumulative)
         self.shift_log: list[dict[str, Any]] = []
         self._parked: dict[str, Any] = {}  # role → context kept resident while serving another role
         self._park = self.park_contexts if self.park_contexts is not None else device == "cpu"
@@ -160,15 +161,22 @@ class PivotWorkerPlugin(WorkerPlugin):
         }
 
     # -- talking to the scheduler ---------------------------------------------------------------------
-    def _sync(self) -> dict[str, Any]:
+    def _send_sync(self) -> tuple[Any, dict[str, Any], float]:
+        """Start one `pivotrl_sync` round trip on the worker's event loop; returns (future, what it
+        carries, start time). The caller steps the engine while the reply is on its way."""
         out, self._out = self._out, self._empty_out()
         free = 0
         if self.ctx is not None:
             free = max(0, int(self.ctx.free_slots()) - len(self._pending))
+        t0 = time.perf_counter()
         coro = self.worker.scheduler.pivotrl_sync(
-            worker=self.worker.address, free=free, session=self.session, **out
+            worker=self.worker.address, free=free, session=self.session, sync_s=self._sync_s, **out
         )
-        fut = asyncio.run_coroutine_threadsafe(coro, self.worker.loop.asyncio_loop)
+        return asyncio.run_coroutine_threadsafe(coro, self.worker.loop.asyncio_loop), out, t0
+
+    def _await_sync(self, fut: Any, out: dict[str, Any], t0: float) -> dict[str, Any]:
+        """The reply of a sync started by `_send_sync`; the time spent blocked on it is accounted."""
+        t_wait = time.perf_counter()
         try:
             return fut.result(timeout=60)
         except Exception:
@@ -179,6 +187,12 @@ class PivotWorkerPlugin(WorkerPlugin):
             self._out["flushed"] = self._out["flushed"] or out["flushed"]
             self._out["shift_done"] = self._out["shift_done"] or out["shift_done"]
             raise
+        finally:
+            self._sync_s += time.perf_counter() - t_wait
+
+    def _sync(self) -> dict[str, Any]:
+        """One blocking round trip (used where nothing can overlap it)."""
+        return self._await_sync(*self._send_sync())
 
     # -- the loop -------------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -196,8 +210,22 @@ class PivotWorkerPlugin(WorkerPlugin):
             import pivotrl.engines.trainer
             import pivotrl.gps  # noqa: F401
         while not self._stop.is_set():
+            # Overlap the round trip with compute: the engine steps on the work it already holds while the
+            # sync (carrying the previous step's results) is in flight, and the reply's commands apply
+            # after that step (one step of command latency, as before; the wait no longer idles the device).
             try:
-                reply = self._sync()
+                fut, out, t0 = self._send_sync()
+            except Exception:
+                logger.info("pivotrl sync could not start; retrying", exc_info=True)
+                self._stop.wait(0.2)
+                continue
+            stepped = False
+            try:
+                stepped = self._step()
+            except Exception:
+                logger.exception("pivotrl role host failed stepping its %s context", self.role)
+            try:
+                reply = self._await_sync(fut, out, t0)
             except Exception:
                 if self._stop.is_set():
                     break
@@ -211,7 +239,7 @@ class PivotWorkerPlugin(WorkerPlugin):
                     "pivotrl role host failed applying %s", {k: v for k, v in reply.items() if k != "assign"}
                 )
                 busy = False
-            if not busy:
+            if not (busy or stepped):
                 self._stop.wait(self.idle_poll_s)
 
     def _apply(self, reply: dict[str, Any]) -> bool:
@@ -228,8 +256,12 @@ class PivotWorkerPlugin(WorkerPlugin):
         if self.ctx is None:
             return False
         self._admit()
-        if not self.ctx.has_work():
-            return bool(self._pending)
+        return bool(self.ctx.has_work() or self._pending)
+
+    def _step(self) -> bool:
+        """One engine step of the current context, if it has work; its results go out with the next sync."""
+        if self.ctx is None or not self.ctx.has_work():
+            return False
         finished, sample = self.ctx.step()
         if sample is not None:
             self._out["steps"].append(list(sample))
