@@ -19,7 +19,6 @@ SANITY = Path(__file__).resolve().parents[2] / "configs/sim/sanity"
 PLANNER_GAP = pytest.mark.xfail(strict=True, reason="core planner gap, see docs/sim-needs-from-core.md")
 
 
-@PLANNER_GAP
 def test_perfect_static_split_shiftable_within_3_percent() -> None:
     cfg = load_sim_config(SANITY / "perfect-static.yaml")
     static = simulate(cfg, "disaggregated", cfg.static_split, record=False)
