@@ -5,8 +5,13 @@ failed on exactly this: an idle reward replica sat out the train drain of every 
 
 from __future__ import annotations
 
+import math
+import random
+
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pivotrl.core import IterationPlan, Role
 from pivotrl.core.dispatcher import dispatch_all
@@ -15,6 +20,7 @@ from pivotrl.core.shiftcost import ShiftCostModel
 from pivotrl.core.state import ClusterState
 
 from .helpers import active_state, config, seq
+from .test_planner import brute_force_best
 
 NOW = 100.0
 
@@ -81,3 +87,49 @@ def test_drain_value_closed_form() -> None:
     assert v[0] == pytest.approx(0.0) and v[2] > v[1] > 0
     # nothing to gain when the drain ends before a shift could land
     assert not drain_value(tr, ks, 7, shift_s=tau0 + 1.0, cooldown_s=2.0).any()
+
+
+def _random_drain_state(seed: int) -> tuple[ClusterState, ShiftCostModel, float]:
+    """Iteration end with random sizes: idle done donors (rollout, reward, maybe a free device, some in
+    cooldown), train holding the last work."""
+    rng = random.Random(seed)
+    now = 50.0
+    cfg = config(horizon_s=rng.uniform(2.0, 40.0), hysteresis=rng.choice([0.0, 0.05, 0.2]),
+                 cooldown_s=rng.uniform(0.0, 6.0), reward_g=rng.choice([1, 2]))
+    stt = active_state(cfg, {Role.ROLLOUT: rng.randint(0, 3), Role.REWARD: rng.randint(0, 3),
+                             Role.TRAIN: rng.randint(1, 4)})
+    for d in list(stt.device_role):
+        stt.device_shifted_at[d] = rng.choice([-math.inf, now - 1.0])
+    for i in range(rng.randint(0, 1)):
+        stt.add_device(f"free{i}", 0.0)
+    for i in range(rng.randint(1, 200)):
+        stt.admit(seq(f"t{i}", Role.TRAIN, prompt=0, max_new=rng.choice([100, 400, 1600]),
+                      expected_new_tokens=rng.choice([None, 90.0, 400.0])), 0.0)
+    dispatch_all(stt)
+    n = rng.randint(0, 8)
+    stt.plan = IterationPlan(0, rollout_seqs=n, group_size=4, rollout_tokens_per_seq=100,
+                             reward_tokens_per_rollout=50, train_tokens_per_group=1600)
+    stt.submitted[Role.ROLLOUT] = n
+    costs = ShiftCostModel(prior_s=rng.uniform(0.0, 3.0))
+    return stt, costs, now
+
+
+@settings(max_examples=300, derandomize=True, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_drain_candidates_match_brute_force(seed: int) -> None:
+    """The DP with the barrier value still finds the best subset of donors (brute force over every subset,
+    gain = max(work over H, drain value)), and what it picks clears the margin."""
+    stt, costs, now = _random_drain_state(seed)
+    views = role_views(stt, stt.config.horizon_s, now)
+    assert all(views[r].done for r in (Role.ROLLOUT, Role.REWARD))
+    res = plan(stt, costs, now)
+    assert res.to_role in (None, Role.TRAIN)
+    if res.reasoning.candidates and res.to_role is Role.TRAIN:
+        best = max(c.benefit for c in res.reasoning.candidates)
+        assert best == pytest.approx(brute_force_best(stt, costs, now, Role.TRAIN), rel=1e-9, abs=1e-9)
+    if res.chosen is not None:
+        assert res.chosen.benefit > res.reasoning.threshold * res.chosen.devices
+        clearing = brute_force_best(stt, costs, now, Role.TRAIN, clearing=True)
+        assert res.chosen.benefit == pytest.approx(clearing, rel=1e-9, abs=1e-9)
+    elif res.to_role is Role.TRAIN or not res.reasoning.candidates:
+        assert brute_force_best(stt, costs, now, Role.TRAIN, clearing=True) is None
