@@ -22,6 +22,11 @@ work) to where they would be busy.
    the work W it has plus what its upstream will hand it within H at the current allocation. Because each
    role's term depends only on its own replica count, the DP in step 3 is exact (tests compare it with brute
    force over subsets).
+   When u is all that is left of the iteration (every other role *done*: no live work and none can reach
+   it before the next iteration, known from the `IterationPlan`), u's gain is at least `drain_value`: the
+   whole cluster waits on u's drain at the on-policy barrier, so ending it sooner is worth every device's
+   time, less the part of a moved device's cooldown that outlasts the drain. (Work over H alone misses this:
+   with the whole drain inside H, one more replica adds almost no work, yet ends the iteration sooner.)
 5. Select, among candidates whose B = G − φ clears the margin B > hysteresis × H × (devices moved), the one
    with the largest B. The margin is per device moved, so a small critical move is as easy as a large one;
    a role with work and no replica at all needs only B > 0.
