@@ -22,6 +22,11 @@ work) to where they would be busy.
    the work W it has plus what its upstream will hand it within H at the current allocation. Because each
    role's term depends only on its own replica count, the DP in step 3 is exact (tests compare it with brute
    force over subsets).
+   When u is all that is left of the iteration (every other role *done*: no live work and none can reach
+   it before the next iteration, known from the `IterationPlan`), u's gain is at least `drain_value`: the
+   whole cluster waits on u's drain at the on-policy barrier, so ending it sooner is worth every device's
+   time, less the part of a moved device's cooldown that outlasts the drain. (Work over H alone misses this:
+   with the whole drain inside H, one more replica adds almost no work, yet ends the iteration sooner.)
 5. Select, among candidates whose B = G − φ clears the margin B > hysteresis × H × (devices moved), the one
    with the largest B. The margin is per device moved, so a small critical move is as easy as a large one;
    a role with work and no replica at all needs only B > 0.
@@ -62,6 +67,7 @@ class RoleView:
     weight: float          # device-seconds per token at peak
     horizon: float
     donated: int = 0       # replicas this role gave up in shifts within the last cooldown_s
+    done: bool = False     # no live work and none can still reach it this iteration (idle until the next)
 
     def throughput(self, m: float) -> float:
         """Tokens/s of `m` replicas holding this role's sequences, spread evenly (role-shared fit)."""
@@ -134,7 +140,44 @@ def role_views(state: ClusterState, horizon: float, now: float = 0.0) -> dict[Ro
                           weight=spec.devices_per_replica / peak if peak > 0 else 0.0, horizon=horizon,
                           donated=state.donated_since(role, now - cfg.cooldown_s))
     _add_upstream(state, base, horizon)
+    _mark_done(state, base)
     return {r: RoleView(**v) for r, v in base.items()}
+
+
+def _mark_done(state: ClusterState, base: dict[Role, dict]) -> None:
+    """A role is *done* for the iteration when it and every role upstream of it hold no live sequence and
+    every rollout the plan announced was submitted: nothing can reach it before the next iteration starts.
+    (Without an `IterationPlan` more rollouts may come at any time: no role is done.)"""
+    plan = state.plan
+    if plan is None or not all(r in base for r in PIPELINE):
+        return
+    if plan.rollout_seqs > state.submitted[PIPELINE[0]]:
+        return
+    for role in PIPELINE:
+        if state.n_seqs[role] > 0:
+            return
+        base[role]["done"] = True
+
+
+def drain_value(vu: RoleView, ks: np.ndarray, n_devices: int, shift_s: float,
+                cooldown_s: float) -> np.ndarray:
+    """Value (device-seconds) of `ks` more replicas for `vu` when it is the last role with work this
+    iteration: on-policy, the next iteration starts only when `vu` drains, so every device of the cluster
+    waits on it and finishing `saving` seconds sooner is worth n_devices × saving. The new replicas serve
+    after `shift_s`; a moved device may not move again for `cooldown_s` after it lands, so what of that lock
+    outlasts the drain is charged (it holds the device back from the next iteration's first stage).
+
+    The soft-capped work over H (`processed`) misses this: with the whole drain inside H, one more replica
+    adds almost no *work* over H, yet it ends the iteration sooner for everyone."""
+    total = vu.work + vu.arriving_work
+    before = vu.throughput(vu.replicas)
+    if total <= 0 or before <= 0 or total / before <= shift_s:
+        return np.zeros(ks.shape)
+    tau0 = total / before
+    after = shift_s + (total - before * shift_s) / np.maximum(vu.throughput_many(vu.replicas + ks), 1e-300)
+    saving = np.maximum(tau0 - after, 0.0)
+    lock = np.maximum(shift_s + cooldown_s - after, 0.0) * ks * vu.g
+    return n_devices * saving - lock
 
 
 def _add_upstream(state: ClusterState, base: dict[Role, dict], horizon: float) -> None:
@@ -413,9 +456,20 @@ def plan_for(state: ClusterState, costs: ShiftCostModel, views: dict[Role, RoleV
     max_x = min(max_x, math.floor(cfg.max_shift_fraction * total_devices + 1e-9))
     if max_x < vu.g:
         return _Evaluation(u, vu.g, "not enough movable devices", per_device)
+    # u's own gain: its work over H, or, when u is all that is left of the iteration (every other role done),
+    # the iteration ending sooner (`drain_value`) if that is worth more.
+    last = all(v.done for r, v in views.items() if r is not u)
+    shift_s = max(costs.duration(p.role, u) for p, _, _ in layers)
+
+    def u_gain(x: np.ndarray) -> np.ndarray:
+        g = vu.processed_many(vu.replicas + x // vu.g) - vu.processed(vu.replicas)
+        if last:
+            g = np.maximum(g, drain_value(vu, x // vu.g, total_devices, shift_s, cfg.cooldown_s))
+        return g
+
     # G can only shrink below u's own gain (donor losses and φ are never negative): skip hopeless roles.
     xg = np.arange(vu.g, max_x + 1, vu.g)
-    raw = vu.processed_many(vu.replicas + xg // vu.g) - vu.processed(vu.replicas)
+    raw = u_gain(xg)
     if not np.any(raw > np.maximum(per_device * xg, 1e-12)):
         return _Evaluation(u, vu.g, "more devices cannot gain more than the margin", per_device)
 
@@ -467,7 +521,7 @@ def plan_for(state: ClusterState, costs: ShiftCostModel, views: dict[Role, RoleV
     for li in range(len(layers)):
         lost += layer_loss[li][k_of[li]]
         phi_tot += layer_phi[li][k_of[li]]
-    gain = vu.processed_many(vu.replicas + xs // vu.g) - vu.processed(vu.replicas) - lost
+    gain = u_gain(xs) - lost
     benefit = gain - phi_tot
     names = tuple("free" if p.role is None else str(p.role) for p, _, _ in layers)
     clears = benefit > np.maximum(per_device * xs, 1e-12)

@@ -147,11 +147,25 @@ def _brute_force(stt: ClusterState, costs: ShiftCostModel, now: float, u: Role) 
     per_device = 0.0 if vu.replicas == 0 else cfg.hysteresis * cfg.horizon_s
     best = best_clearing = None
     memo: dict = {}
+    # u all that is left of the iteration: its gain is at least the barrier value (the slowest donor pool's
+    # shift lands last), as `planner.drain_value` states it.
+    last = bool(donors) and all(v.done for r, v in views.items() if r is not u)
+    shift_s = max((costs.duration(d, u) for d in {d for d, _, _ in donors}), default=0.0)
 
     def processed(r: Role, m: int) -> float:  # the scalar objective, memoised
         if (r, m) not in memo:
             memo[r, m] = views[r].processed(m)
         return memo[r, m]
+
+    def u_gain(k: int) -> float:
+        g = processed(u, vu.replicas + k) - processed(u, vu.replicas)
+        if last:
+            total, before = vu.work + vu.arriving_work, vu.throughput(vu.replicas)
+            if total > 0 and before > 0 and total / before > shift_s:
+                after = shift_s + (total - before * shift_s) / max(vu.throughput(vu.replicas + k), 1e-300)
+                lock = max(shift_s + cfg.cooldown_s - after, 0.0) * k * vu.g
+                g = max(g, len(stt.device_role) * max(total / before - after, 0.0) - lock)
+        return g
 
     for bits in itertools.product((0, 1), repeat=len(donors)):
         chosen = [d for d, b in zip(donors, bits) if b]
@@ -162,7 +176,7 @@ def _brute_force(stt: ClusterState, costs: ShiftCostModel, now: float, u: Role) 
         if any(k and not donation_allowed(views, r, u, k, cfg.upstream_slack, cfg.upstream_ahead)
                for r, k in ks.items()):
             continue  # would strand that role's work, or make it a worse bottleneck than u
-        gain = processed(u, vu.replicas + x // vu.g) - processed(u, vu.replicas)
+        gain = u_gain(x // vu.g)
         for r, k in ks.items():
             if r is not u and k:
                 gain -= processed(r, views[r].replicas) - processed(r, views[r].replicas - k)

@@ -4,22 +4,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
 from pivotrl.sim.compare import simulate
 from pivotrl.sim.config import load_sim_config
 from pivotrl.sim.fluid import fluid_bound, latency_bound
 
 SANITY = Path(__file__).resolve().parents[2] / "configs/sim/sanity"
 
-# These check core's planner as much as the simulator. With core f2f3b35 and with branch `planner`'s core
-# the fluid-limit check passes (0.98) and the perfect-static one does not (0.958 of static; cause, what was
-# tried and why a horizon-H planner runs a wave there: docs/sim-needs-from-core.md, item 7).
-# strict=True: when core's planner passes it, the XPASS fails the suite so the mark gets removed.
-PLANNER_GAP = pytest.mark.xfail(strict=True, reason="core planner gap, see docs/sim-needs-from-core.md")
+# These check core's planner as much as the simulator. The perfect-static check was a strict xfail at 0.958
+# until the planner priced the iteration barrier (`planner.drain_value`): an idle, finished reward replica
+# sat out every iteration's train drain (docs/sim-needs-from-core.md, item 7). Now 0.994.
 
 
-@PLANNER_GAP
 def test_perfect_static_split_shiftable_within_3_percent() -> None:
     cfg = load_sim_config(SANITY / "perfect-static.yaml")
     static = simulate(cfg, "disaggregated", cfg.static_split, record=False)
