@@ -110,7 +110,9 @@ def worker_role_specs(cfg: PipelineConfig, paths: dict[str, Path], run_id: str) 
             "hf_dir": str(paths["policy"]),
             "dtype": pol.dtype,
             "micro_batch": cfg.train.micro_batch,
-            "max_batch": 2 * cfg.train.micro_batch,
+            # one micro-batch at a time: at the end of the stage no replica holds a second one while
+            # another idles (the refill costs one sync round trip per ~0.2 s micro-batch step)
+            "max_batch": cfg.train.micro_batch,
             "clip_eps": cfg.train.clip_eps,
             "kl_coef": cfg.train.kl_coef,
             "ref_version": 0,  # the KL reference is the bootstrap policy, as in the single-process loop
