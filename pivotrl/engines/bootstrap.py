@@ -265,7 +265,9 @@ def _data_seed(sft: SFTConfig, role: str) -> int:
 def train_role(cfg: PipelineConfig, role: str, out_dir: str | Path, threads: int = 1) -> dict[str, Any]:
     """Train one bootstrap model from scratch and save it (HF format, version 0) to ``out_dir``."""
     from pivotrl.engines.models import build_tokenizer, save_hf
+    from pivotrl.malloc import keep_freed_memory
 
+    keep_freed_memory()  # SFT steps free and re-allocate the same buffers: see pivotrl/malloc.py
     torch.set_num_threads(threads)
     t0, cpu0 = time.perf_counter(), time.process_time()
     sft_cfg = cfg.train.sft if role == "policy" else cfg.reward.sft

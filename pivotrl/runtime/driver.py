@@ -327,7 +327,10 @@ def run_pipeline(
     selects (benchmarks pass grouped static splits this way)."""
     from pivotrl.gps import ParameterStore
     from pivotrl.loop import held_out_problems, train_problems
+    from pivotrl.malloc import keep_freed_memory
     from pivotrl.pipeline import Pipeline, StageContext, default_stages
+
+    keep_freed_memory()  # the driver's optimizer steps and the scheduler: see pivotrl/malloc.py
     from pivotrl.runtime.cluster import open_cluster
     from pivotrl.runtime.metrics import IterationMeter, write_metrics
     from pivotrl.runtime.session import RuntimeSession

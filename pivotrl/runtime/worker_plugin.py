@@ -116,7 +116,10 @@ class PivotWorkerPlugin(WorkerPlugin):
 
     # -- lifecycle ------------------------------------------------------------------------------------
     def setup(self, worker: Any) -> None:
+        from pivotrl.malloc import keep_freed_memory
+
         self.worker = worker
+        keep_freed_memory()  # before the first engine step: see pivotrl/malloc.py
         self.pinned = False
         if self.pin_cores:
             try:
