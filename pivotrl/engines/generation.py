@@ -372,16 +372,16 @@ class GenerationEngine(RequestBook):
     def _admit(self) -> list[GenRequest]:
         """Pop waiting requests (FIFO) while a slot, the KV budget and the prefill cap allow."""
         admitted: list[GenRequest] = []
-        longest = 0
+        tokens = 0  # prefill is packed (no padding): its cost follows the sum of the lengths
         while self.waiting and len(self.running) + len(admitted) < self.max_batch:
             req = self.waiting[0]
             need = self.reservation(req)
             if self.reserved_tokens + need > self.kv_budget_tokens:
                 break
             n_tok = len(req.prompt_ids) + len(req.generated_ids)
-            if admitted and (len(admitted) + 1) * max(longest, n_tok) > self.max_prefill_tokens:
+            if admitted and tokens + n_tok > self.max_prefill_tokens:
                 break
-            longest = max(longest, n_tok)
+            tokens += n_tok
             self.waiting.popleft()
             self.reserved_tokens += need
             admitted.append(req)
@@ -399,21 +399,15 @@ class GenerationEngine(RequestBook):
         cap = min(cap, self.max_seq_len)
         bigger = KVSlots(self.config, cache.slots, cap, self.device, self.dtype)
         n = len(self.running)
-        bigger.k[:, :n, :, : cache.max_len] = cache.k[:, :n]
-        bigger.v[:, :n, :, : cache.max_len] = cache.v[:, :n]
+        bigger.kv[:, :, :n, :, : cache.max_len] = cache.kv[:, :, :n]
         self.cache = bigger
 
     def _prefill(self, row0: int, reqs: list[GenRequest]) -> torch.Tensor:
         seqs = [r.prompt_ids + r.generated_ids for r in reqs]
         lengths = [len(s) for s in seqs]
-        width = max(lengths)
-        self._ensure_capacity(width + 1)
-        ids = torch.zeros(len(seqs), width, dtype=torch.long)
-        for i, s in enumerate(seqs):
-            ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
-        ids = ids.to(self.device)
+        self._ensure_capacity(max(lengths) + 1)
         lens = torch.tensor(lengths, dtype=torch.long, device=self.device)
-        logits = self.model.prefill(ids, lens - 1, self.cache, slot0=row0)
+        logits = self.model.prefill_packed(seqs, self.cache, slot0=row0)
 
         rows = slice(row0, row0 + len(reqs))
         self.lens[rows] = lens
@@ -451,8 +445,9 @@ class GenerationEngine(RequestBook):
 
     def _decode(self, n: int) -> torch.Tensor:
         lens = self.lens[:n]
-        self._ensure_capacity(int(lens.max()) + 1)
-        logits = self.model.decode(self.last_tok[:n], lens, self.cache)
+        span = int(lens.max()) + 1
+        self._ensure_capacity(span)
+        logits = self.model.decode(self.last_tok[:n], lens, self.cache, span)
         self.lens[:n] += 1
         return logits
 
@@ -510,8 +505,7 @@ class GenerationEngine(RequestBook):
         d = torch.tensor(dst, dtype=torch.long, device=self.device)
         span = int(self.lens[s].max())
         cache = self.cache
-        cache.k[:, d, :, :span] = cache.k[:, s, :, :span]
-        cache.v[:, d, :, :span] = cache.v[:, s, :, :span]
+        cache.kv[:, :, d, :, :span] = cache.kv[:, :, s, :, :span]
         for t in (
             self.lens,
             self.last_tok,

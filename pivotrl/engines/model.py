@@ -12,6 +12,7 @@ SwiGLU MLP, pre-norm residuals, final RMSNorm, lm_head tied to the embedding whe
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -53,29 +54,44 @@ def _can_pack() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+def _packable(dtype: torch.dtype) -> bool:
+    """Weight dtypes oneDNN prepacks on this CPU: fp32 always, bf16 where the CPU has native bf16 support
+    (avx512_bf16 / AMX; otherwise oneDNN would emulate it and the packed path is no faster)."""
+    if dtype == torch.float32:
+        return True
+    return dtype == torch.bfloat16 and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def linear(m: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """`m(x)`, through a oneDNN-prepacked weight when the module was packed and no gradient is wanted.
 
     Why: for decode-sized batches on CPU, MKL re-packs the weight on every call; a weight packed once is
     15-35% faster. The packed copy is refreshed whenever the weight changes (its tensor version or storage
     moves, as on `load_state_dict`, an optimizer step or `.to()`), so a packed module never computes with
-    stale weights; a weight cast away from fp32 or moved off the CPU drops it.
+    stale weights; a weight cast to a dtype oneDNN does not pack (see `_packable`) or moved off the CPU
+    drops it.
     """
     packed = m.__dict__.get("_packed")
     if packed is None or torch.is_grad_enabled() or x.device.type != "cpu":
         return m(x)
     w = m.weight
-    if w.dtype != torch.float32 or w.device.type != "cpu":  # moved or cast (`.to()`): packing is fp32 CPU
+    if w.device.type != "cpu" or not _packable(w.dtype):  # moved or cast (`.to()`) out of packing's reach
         m.__dict__.pop("_packed", None)
         return m(x)
-    if packed[1] is not w or packed[2] != w._version or packed[3] != w.data_ptr():
+    if packed[1] is not w or packed[2] != w._version or packed[3] != w.data_ptr() or packed[4] != w.dtype:
         packed = _pack(m)
     return torch.ops.mkldnn._linear_pointwise(x, packed[0], m.bias, "none", [], "")
 
 
 def _pack(m: nn.Linear, batch_hint: int = 32):
     w = m.weight
-    packed = (torch.ops.mkldnn._reorder_linear_weight(w.detach(), batch_hint), w, w._version, w.data_ptr())
+    packed = (
+        torch.ops.mkldnn._reorder_linear_weight(w.detach(), batch_hint),
+        w,
+        w._version,
+        w.data_ptr(),
+        w.dtype,
+    )
     m.__dict__["_packed"] = packed
     return packed
 
@@ -84,10 +100,10 @@ class FusedLinear:
     """Several Linear layers that read the same input, as one matmul, for no-grad calls only.
 
     Why: a decode step on a small model is dominated by per-call overhead, not FLOPs; q/k/v and gate/up
-    each become one call (and one oneDNN-packed weight on CPU fp32). The fused copy is rebuilt whenever any
-    part's weight changes (its storage or tensor version moves, as on `load_state_dict`, an optimizer step
-    or `.to()`), so it never computes with stale weights. Not an `nn.Module`: it owns no parameters and
-    never appears in the state dict.
+    each become one call (and one oneDNN-packed weight on CPU fp32/bf16). The fused copy is rebuilt
+    whenever any part's weight changes (its storage or tensor version moves, as on `load_state_dict`, an
+    optimizer step or `.to()`), so it never computes with stale weights. Not an `nn.Module`: it owns no
+    parameters and never appears in the state dict.
     """
 
     def __init__(self, parts: list[nn.Linear]) -> None:
@@ -111,7 +127,7 @@ class FusedLinear:
         else:
             b = None
         packed = None
-        if self.pack and w.device.type == "cpu" and w.dtype == torch.float32 and _can_pack():
+        if self.pack and w.device.type == "cpu" and _packable(w.dtype) and _can_pack():
             packed = torch.ops.mkldnn._reorder_linear_weight(w, 32)
             w = None  # the packed copy is all a CPU call needs
         self._state = (key, w, b, packed)
@@ -137,6 +153,24 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [B, heads, T, D]; cos/sin: [B, 1, T, D] (already in x's dtype)."""
     return x * cos + _rotate_half(x) * sin
+
+
+@dataclass(frozen=True)
+class DecodeStep:
+    """What all layers of one decode step share, built once per step (`CausalLM.decode_step`).
+
+    cos/sin: [B, heads + 2 * kv_heads, D] rotary rows in the model dtype for q|k|v together: q's rows carry
+    the 1/sqrt(head_dim) attention scale, v's rows are the identity (cos 1, sin 0), and sin carries
+    rotate_half's sign so RoPE is `t * cos + swap_halves(t) * sin`. rows: [B, 2 * kv_heads] cache rows
+    (`KVSlots.flat_rows`) where this step's keys and values go. bias: [B * kv_heads, 1, span], 0 up to each
+    sequence's position and -inf after. span: max position + 1.
+    """
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    rows: torch.Tensor
+    bias: torch.Tensor
+    span: int
 
 
 class Attention(nn.Module):
@@ -180,27 +214,56 @@ class Attention(nn.Module):
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv != self.n_heads)
         return self._out(y)
 
-    def decode(self, x, cos, sin, cache: KVSlots, layer: int, index: torch.Tensor, bias: torch.Tensor):
+    def decode(self, x: torch.Tensor, step: DecodeStep, cache: KVSlots, layer: int) -> torch.Tensor:
         """One new token per sequence in slots 0..B-1 (x: [B, hidden]); attends to the cached prefix.
 
-        `index` holds the flat cache rows ((slot * kv_heads + head) * max_len + position) where this step's
-        keys/values go; `bias` [B, 1, 1, span] is 0 up to each sequence's position and -inf after. Both are
-        built once per step for all layers. Attention is written out as two grouped matmuls: for one query
-        token per sequence that is faster on CPU than SDPA's flash kernel, and needs no repeat of the GQA
-        key/value heads.
+        Everything that is the same for all layers (rotary rows, cache rows, length bias) is in `step`,
+        built once per step. RoPE runs once over q, k and v together (v's rows are the identity) so the
+        new keys and values leave in ONE indexed write. Attention is two grouped matmuls, one query token
+        per sequence and GQA group (faster on CPU than SDPA's flash kernel, no repeat of the kv heads); the
+        1/sqrt(head_dim) scale is folded into q's rotary rows and the length bias into the first matmul.
         """
         b, d, h, kv = x.shape[0], self.head_dim, self.n_heads, self.n_kv
-        qkv = self.qkv(x)
-        qk = apply_rope(qkv[:, : (h + kv) * d].view(b, h + kv, d), cos, sin)
-        cache.k[layer].view(-1, d).index_copy_(0, index, qk[:, h:].reshape(-1, d))
-        cache.v[layer].view(-1, d).index_copy_(0, index, qkv[:, (h + kv) * d :].reshape(-1, d))
-        span = bias.shape[-1]
-        scores = torch.matmul(
-            qk[:, :h].reshape(b, kv, h // kv, d), cache.k[layer, :b, :, :span].transpose(-1, -2)
-        )
-        probs = torch.softmax(scores.mul_(d**-0.5).add_(bias), dim=-1)
-        y = torch.matmul(probs, cache.v[layer, :b, :, :span])
+        t = self.qkv(x).view(b, h + 2 * kv, d)
+        half = d // 2
+        r = t * step.cos
+        r.addcmul_(torch.cat((t[..., half:], t[..., :half]), dim=-1), step.sin)
+        cache.layer_rows(layer).index_put_((step.rows,), r[:, h:])
+        span = step.span
+        keys = cache.k[layer, :b, :, :span].reshape(b * kv, span, d)
+        values = cache.v[layer, :b, :, :span].reshape(b * kv, span, d)
+        if keys.dtype != torch.float32:
+            # Reduced-precision bmm on CPU copies a strided operand internally, and slower than this does.
+            keys, values = keys.contiguous(), values.contiguous()
+        scores = torch.baddbmm(step.bias, r[:, :h].reshape(b * kv, h // kv, d), keys.transpose(1, 2))
+        y = torch.bmm(torch.softmax(scores, dim=-1), values)
         return linear(self.o_proj, y.view(b, h * d))
+
+    def prefill_packed(
+        self, x: torch.Tensor, cos, sin, cache: KVSlots, layer: int, rows: torch.Tensor, spans
+    ) -> torch.Tensor:
+        """Several sequences packed back to back in x [T, hidden] (no padding): causal attention within
+        each `spans` (start, length), keys/values stored at cache `rows` ([T, 2 * kv_heads], see
+        `KVSlots.flat_rows`)."""
+        t, d, h, kv = x.shape[0], self.head_dim, self.n_heads, self.n_kv
+        qkv = (
+            self.qkv(x)
+            if self.qkv.enabled
+            else torch.cat([linear(self.q_proj, x), linear(self.k_proj, x), linear(self.v_proj, x)], dim=-1)
+        )
+        heads = qkv.view(t, h + 2 * kv, d).transpose(0, 1)  # [heads, T, D]
+        q = apply_rope(heads[:h], cos, sin)
+        k = apply_rope(heads[h : h + kv], cos, sin)
+        v = heads[h + kv :]
+        cache.layer_rows(layer).index_put_((rows,), torch.cat((k, v)).transpose(0, 1))
+        y = torch.empty_like(q)
+        gqa = kv != h
+        for start, n in spans:
+            part = slice(start, start + n)
+            y[:, part] = F.scaled_dot_product_attention(
+                q[None, :, part], k[None, :, part], v[None, :, part], is_causal=True, enable_gqa=gqa
+            )[0]
+        return linear(self.o_proj, y.transpose(0, 1).reshape(t, h * d))
 
 
 class MLP(nn.Module):
@@ -244,22 +307,39 @@ class KVSlots:
 
     Allocated once per engine; a sequence owns one slot for its lifetime on the engine, and the running
     sequences are kept compact in slots 0..B-1 so decode attends to a plain view, never a gather.
+    `k` and `v` are views of ONE buffer `kv` [layers, 2, slots, kv_heads, max_len, head_dim]: a decode step
+    stores a layer's new keys and values with a single indexed write (`flat_rows` says where).
     """
 
     def __init__(self, config, slots: int, max_len: int, device, dtype) -> None:
-        shape = (config.num_hidden_layers, slots, config.num_key_value_heads, max_len, _head_dim(config))
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        kv_heads = config.num_key_value_heads
+        shape = (config.num_hidden_layers, 2, slots, kv_heads, max_len, _head_dim(config))
+        self.kv = torch.zeros(shape, device=device, dtype=dtype)
+        self.k, self.v = self.kv[:, 0], self.kv[:, 1]
         self.rows = torch.arange(slots, device=device)
-        self.slots, self.max_len = slots, max_len
+        self.slots, self.max_len, self.kv_heads = slots, max_len, kv_heads
+        # For flat_rows: offset of (k|v, head) inside one slot's block of `layer_rows(layer)`.
+        which = torch.arange(2, device=device)[:, None]
+        self._head_offsets = (
+            (which * slots * kv_heads + torch.arange(kv_heads, device=device)) * max_len
+        ).view(-1)
+
+    def layer_rows(self, layer: int) -> torch.Tensor:
+        """Layer `layer`'s keys and values as rows [2 * slots * kv_heads * max_len, head_dim] (a view)."""
+        return self.kv[layer].view(-1, self.kv.shape[-1])
+
+    def flat_rows(self, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """[N, 2 * kv_heads] rows of `layer_rows` where token n (at `slots[n]`, `positions[n]`) stores its
+        keys (first kv_heads columns) and values (last kv_heads): the same for every layer."""
+        base = slots * (self.kv_heads * self.max_len) + positions
+        return base[:, None] + self._head_offsets[None, :]
 
     def move(self, src: int, dst: int, length: int) -> None:
         """Copy slot `src`'s first `length` positions into slot `dst` (compaction after a finish)."""
-        self.k[:, dst, :, :length] = self.k[:, src, :, :length]
-        self.v[:, dst, :, :length] = self.v[:, src, :, :length]
+        self.kv[:, :, dst, :, :length] = self.kv[:, :, src, :, :length]
 
     def nbytes(self) -> int:
-        return self.k.numel() * self.k.element_size() * 2
+        return self.kv.numel() * self.kv.element_size()
 
 
 class CausalLM(nn.Module):
@@ -302,7 +382,7 @@ class CausalLM(nn.Module):
         """Prepack the inference weights for fast CPU calls (oneDNN); returns whether packing is on.
 
         Also switches no-grad calls to the fused q/k/v and gate/up matmuls (see `FusedLinear`; on CPU fp32
-        packed fused, o/down/lm_head packed each on their own). Costs one extra copy of the weights; only
+        bf16 packed fused, o/down/lm_head packed each on their own). Costs one extra copy of the weights; only
         no-grad calls use it, training is unchanged. `enable=False` drops every packed and fused copy (an
         offloaded engine gives the memory back) and returns no-grad calls to the per-layer path.
         """
@@ -316,7 +396,7 @@ class CausalLM(nn.Module):
             f.clear()
         for m in self.modules():
             if isinstance(m, nn.Linear):
-                if enable and m.weight.dtype == torch.float32 and id(m) not in in_fused:
+                if enable and _packable(m.weight.dtype) and id(m) not in in_fused:
                     _pack(m)
                 else:
                     m.__dict__.pop("_packed", None)
@@ -362,26 +442,67 @@ class CausalLM(nn.Module):
         h = h[torch.arange(h.shape[0], device=h.device), last]
         return linear(self.lm_head, h)
 
-    def decode(self, tokens: torch.Tensor, lens: torch.Tensor, cache: KVSlots) -> torch.Tensor:
+    def prefill_packed(self, seqs: list[list[int]], cache: KVSlots, slot0: int) -> torch.Tensor:
+        """Run `seqs` into slots slot0.. packed back to back (no padding); logits [N, V] at each last token.
+
+        Why packed: prompts are long-tailed, and a right-padded batch computes every row at the longest
+        length (about 3x the real tokens for task prompts); only attention needs the sequence bounds.
+        """
+        dev = self.inv_freq.device
+        lengths = [len(s) for s in seqs]
+        ids = torch.tensor([tok for s in seqs for tok in s], dtype=torch.long, device=dev)
+        positions = torch.cat([torch.arange(n, device=dev) for n in lengths])
+        slots = torch.repeat_interleave(
+            torch.arange(slot0, slot0 + len(seqs), device=dev), torch.tensor(lengths, device=dev)
+        )
+        rows = cache.flat_rows(slots, positions)
+        starts = [sum(lengths[:i]) for i in range(len(lengths))]
+        spans = list(zip(starts, lengths))
+        x = self.model.embed_tokens(ids)
+        cos, sin = self._rope(positions[None], x.dtype)
+        cos, sin = cos[0], sin[0]  # [1, T, D]: broadcast over heads
+        for i, layer in enumerate(self.model.layers):
+            x = x + layer.self_attn.prefill_packed(layer.input_layernorm(x), cos, sin, cache, i, rows, spans)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        last = torch.tensor([s + n - 1 for s, n in spans], device=dev)
+        return linear(self.lm_head, self.model.norm(x[last]))
+
+    def decode_step(self, lens: torch.Tensor, span: int, cache: KVSlots, dtype: torch.dtype) -> DecodeStep:
+        """What every layer of one decode step shares, built once: see `DecodeStep`."""
+        b, dev = lens.shape[0], lens.device
+        h, kv, d = self.config.num_attention_heads, self.config.num_key_value_heads, _head_dim(self.config)
+        cos, sin = self._rope(lens[:, None], torch.float32)
+        cos, sin = cos[:, 0, 0], sin[:, 0, 0]  # [B, D]
+        half = d // 2
+        sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)  # rotate_half's sign, folded in
+        scale = d**-0.5
+        one, zero = cos.new_ones(b, kv, d), cos.new_zeros(b, kv, d)
+        cos_rows = torch.cat(((cos * scale)[:, None].expand(b, h, d), cos[:, None].expand(b, kv, d), one), 1)
+        sin_rows = torch.cat(((sin * scale)[:, None].expand(b, h, d), sin[:, None].expand(b, kv, d), zero), 1)
+        beyond = torch.arange(span, device=dev)[None, :] > lens[:, None]
+        bias = torch.zeros(b, 1, span, device=dev, dtype=dtype).masked_fill_(beyond[:, None], float("-inf"))
+        return DecodeStep(
+            cos=cos_rows.to(dtype),
+            sin=sin_rows.to(dtype),
+            rows=cache.flat_rows(cache.rows[:b], lens),
+            bias=bias.repeat_interleave(kv, dim=0),
+            span=span,
+        )
+
+    def decode(
+        self, tokens: torch.Tensor, lens: torch.Tensor, cache: KVSlots, span: int | None = None
+    ) -> torch.Tensor:
         """One token for each sequence in slots 0..B-1. tokens, lens: [B]; returns logits [B, V].
 
-        Token b sits at position lens[b] (the number of tokens already cached for slot b).
+        Token b sits at position lens[b] (the number of tokens already cached for slot b); `span`, if the
+        caller knows it, is max(lens) + 1.
         """
-        b, dev = tokens.shape[0], tokens.device
-        span = int(lens.max()) + 1
+        span = int(lens.max()) + 1 if span is None else span
         x = self.model.embed_tokens(tokens)
-        beyond = torch.arange(span, device=dev)[None, :] > lens[:, None]
-        bias = torch.zeros(b, 1, 1, span, device=dev, dtype=x.dtype).masked_fill_(
-            beyond.view(b, 1, 1, span), float("-inf")
-        )
-        kv = self.config.num_key_value_heads
-        heads = torch.arange(kv, device=dev)[None, :]
-        index = ((cache.rows[:b, None] * kv + heads) * cache.max_len + lens[:, None]).reshape(-1)
-        cos, sin = self._rope(lens[:, None], x.dtype)
-        cos, sin = cos[:, 0], sin[:, 0]  # [B, 1, D]: one position per sequence, broadcast over heads
+        step = self.decode_step(lens, span, cache, x.dtype)
         for i, layer in enumerate(self.model.layers):
-            x = x + layer.self_attn.decode(layer.input_layernorm(x), cos, sin, cache, i, index, bias)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x.add_(layer.self_attn.decode(layer.input_layernorm(x), step, cache, i))
+            x.add_(layer.mlp(layer.post_attention_layernorm(x)))
         return linear(self.lm_head, self.model.norm(x))
 
 
