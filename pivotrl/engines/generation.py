@@ -37,6 +37,7 @@ from typing import Any, Literal
 
 import torch
 
+from pivotrl.engines import kernels
 from pivotrl.engines.model import CausalLM, KVSlots
 from pivotrl.engines.models import EOS_ID
 
@@ -219,6 +220,7 @@ class GenerationEngine(RequestBook):
         initial_cache_len: int = 256,
         max_samples: int = 4096,
         pack_weights: bool = True,
+        native_kernels: bool = True,
     ) -> None:
         if kv_budget_tokens < 1 or max_batch < 1:
             raise ValueError("kv_budget_tokens and max_batch must be >= 1")
@@ -232,6 +234,9 @@ class GenerationEngine(RequestBook):
         self.dtype = next(self.model.parameters()).dtype
         # oneDNN-prepacked weights on CPU (fp32): faster decode matmuls; refreshed when weights change.
         self.packed = self.model.pack_for_inference(pack_weights)
+        # The fused native decode attention (`kernels.py`) where it builds; else the same math in torch ops.
+        self.model.native_decode = kernels.decode_attention() if native_kernels else None
+        self.native_kernels = self.model.native_decode is not None
         self.kv_budget_tokens = kv_budget_tokens
         self.max_batch = max_batch
         pos_limit = int(getattr(self.config, "max_position_embeddings", 1 << 30))
@@ -338,6 +343,7 @@ class GenerationEngine(RequestBook):
         self._ready = []
         self.cache = None
         self.model.pack_for_inference(False)  # drop the packed weight copies held on the model
+        self.model.native_decode = None
         self.model = None  # type: ignore[assignment]
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -399,7 +405,8 @@ class GenerationEngine(RequestBook):
         cap = min(cap, self.max_seq_len)
         bigger = KVSlots(self.config, cache.slots, cap, self.device, self.dtype)
         n = len(self.running)
-        bigger.kv[:, :, :n, :, : cache.max_len] = cache.kv[:, :, :n]
+        bigger.k[:, :n, :, : cache.max_len] = cache.k[:, :n]
+        bigger.v[:, :n, :, : cache.max_len] = cache.v[:, :n]
         self.cache = bigger
 
     def _prefill(self, row0: int, reqs: list[GenRequest]) -> torch.Tensor:
@@ -505,7 +512,8 @@ class GenerationEngine(RequestBook):
         d = torch.tensor(dst, dtype=torch.long, device=self.device)
         span = int(self.lens[s].max())
         cache = self.cache
-        cache.kv[:, :, d, :, :span] = cache.kv[:, :, s, :, :span]
+        cache.k[:, d, :, :span] = cache.k[:, s, :, :span]
+        cache.v[:, d, :, :span] = cache.v[:, s, :, :span]
         for t in (
             self.lens,
             self.last_tok,

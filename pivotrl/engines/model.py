@@ -12,6 +12,7 @@ SwiGLU MLP, pre-norm residuals, final RMSNorm, lm_head tied to the embedding whe
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -161,16 +162,18 @@ class DecodeStep:
 
     cos/sin: [B, heads + 2 * kv_heads, D] rotary rows in the model dtype for q|k|v together: q's rows carry
     the 1/sqrt(head_dim) attention scale, v's rows are the identity (cos 1, sin 0), and sin carries
-    rotate_half's sign so RoPE is `t * cos + swap_halves(t) * sin`. rows: [B, 2 * kv_heads] cache rows
-    (`KVSlots.flat_rows`) where this step's keys and values go. bias: [B * kv_heads, 1, span], 0 up to each
-    sequence's position and -inf after. span: max position + 1.
+    rotate_half's sign so RoPE is `t * cos + swap_halves(t) * sin`. bias: [B * kv_heads, 1, span], 0 up to
+    each sequence's position and -inf after. span: max position + 1. lens: [B] positions.
+    With `kernel` (the native `kernels.decode_attention`), cos/sin are instead the plain fp32 rotary rows
+    [B, D] at each position and bias is not needed (None): the kernel does RoPE, store and attention.
     """
 
     cos: torch.Tensor
     sin: torch.Tensor
-    rows: torch.Tensor
-    bias: torch.Tensor
+    bias: torch.Tensor | None
     span: int
+    lens: torch.Tensor
+    kernel: Callable | None = None
 
 
 class Attention(nn.Module):
@@ -217,34 +220,38 @@ class Attention(nn.Module):
     def decode(self, x: torch.Tensor, step: DecodeStep, cache: KVSlots, layer: int) -> torch.Tensor:
         """One new token per sequence in slots 0..B-1 (x: [B, hidden]); attends to the cached prefix.
 
-        Everything that is the same for all layers (rotary rows, cache rows, length bias) is in `step`,
-        built once per step. RoPE runs once over q, k and v together (v's rows are the identity) so the
-        new keys and values leave in ONE indexed write. Attention is two grouped matmuls, one query token
-        per sequence and GQA group (faster on CPU than SDPA's flash kernel, no repeat of the kv heads); the
-        1/sqrt(head_dim) scale is folded into q's rotary rows and the length bias into the first matmul.
+        Everything that is the same for all layers (rotary rows, positions, length bias) is in `step`,
+        built once per step. With the native kernel (`step.kernel`), RoPE, the KV store and attention are
+        one call. Otherwise RoPE runs once over q, k and v together (v's rows are the identity) and attention
+        is two grouped matmuls, one query token per sequence and GQA group (faster on CPU than SDPA's flash
+        kernel, no repeat of the kv heads); the 1/sqrt(head_dim) scale is folded into q's rotary rows and the
+        length bias into the first matmul. Both compute the same thing (tested).
         """
         b, d, h, kv = x.shape[0], self.head_dim, self.n_heads, self.n_kv
+        if step.kernel is not None:
+            y = step.kernel(self.qkv(x), step.cos, step.sin, cache.kv[layer], step.lens, h, d**-0.5)
+            return linear(self.o_proj, y)
         t = self.qkv(x).view(b, h + 2 * kv, d)
         half = d // 2
         r = t * step.cos
         r.addcmul_(torch.cat((t[..., half:], t[..., :half]), dim=-1), step.sin)
-        cache.layer_rows(layer).index_put_((step.rows,), r[:, h:])
+        cache.store(layer, cache.rows[:b], step.lens, r[:, h : h + kv], r[:, h + kv :])
         span = step.span
-        keys = cache.k[layer, :b, :, :span].reshape(b * kv, span, d)
+        keys_t = cache.k[layer, :b, :, :span].reshape(b * kv, span, d).transpose(1, 2)  # row-major [D, span]
         values = cache.v[layer, :b, :, :span].reshape(b * kv, span, d)
-        if keys.dtype != torch.float32:
+        if keys_t.dtype != torch.float32:
             # Reduced-precision bmm on CPU copies a strided operand internally, and slower than this does.
-            keys, values = keys.contiguous(), values.contiguous()
-        scores = torch.baddbmm(step.bias, r[:, :h].reshape(b * kv, h // kv, d), keys.transpose(1, 2))
+            keys_t, values = keys_t.contiguous(), values.contiguous()
+        scores = torch.baddbmm(step.bias, r[:, :h].reshape(b * kv, h // kv, d), keys_t)
         y = torch.bmm(torch.softmax(scores, dim=-1), values)
         return linear(self.o_proj, y.view(b, h * d))
 
     def prefill_packed(
-        self, x: torch.Tensor, cos, sin, cache: KVSlots, layer: int, rows: torch.Tensor, spans
+        self, x: torch.Tensor, cos, sin, cache: KVSlots, layer: int, where: tuple, spans
     ) -> torch.Tensor:
         """Several sequences packed back to back in x [T, hidden] (no padding): causal attention within
-        each `spans` (start, length), keys/values stored at cache `rows` ([T, 2 * kv_heads], see
-        `KVSlots.flat_rows`)."""
+        each `spans` (start, length); token t's keys/values go to cache slot where[0][t], position
+        where[1][t]."""
         t, d, h, kv = x.shape[0], self.head_dim, self.n_heads, self.n_kv
         qkv = (
             self.qkv(x)
@@ -255,7 +262,7 @@ class Attention(nn.Module):
         q = apply_rope(heads[:h], cos, sin)
         k = apply_rope(heads[h : h + kv], cos, sin)
         v = heads[h + kv :]
-        cache.layer_rows(layer).index_put_((rows,), torch.cat((k, v)).transpose(0, 1))
+        cache.store(layer, where[0], where[1], k.transpose(0, 1), v.transpose(0, 1))
         y = torch.empty_like(q)
         gqa = kv != h
         for start, n in spans:
@@ -303,40 +310,35 @@ class Backbone(nn.Module):
 
 
 class KVSlots:
-    """Pre-allocated KV cache: k, v of shape [layers, slots, kv_heads, max_len, head_dim].
+    """Pre-allocated KV cache, read through `k`, `v`: [layers, slots, kv_heads, max_len, head_dim] views.
 
     Allocated once per engine; a sequence owns one slot for its lifetime on the engine, and the running
     sequences are kept compact in slots 0..B-1 so decode attends to a plain view, never a gather.
-    `k` and `v` are views of ONE buffer `kv` [layers, 2, slots, kv_heads, max_len, head_dim]: a decode step
-    stores a layer's new keys and values with a single indexed write (`flat_rows` says where).
+    Both live in ONE buffer `kv` [layers, 2, slots, kv_heads, max_len, head_dim] (keys, then values), and
+    each key head block holds its keys TRANSPOSED ([head_dim, max_len] in memory; `k` hides that): decode
+    scores are then q times a row-major matrix, which the native kernel (`kernels.py`) reads 16 positions
+    per vector load, and `kv[layer]` is the one contiguous block it takes per layer.
     """
 
     def __init__(self, config, slots: int, max_len: int, device, dtype) -> None:
-        kv_heads = config.num_key_value_heads
-        shape = (config.num_hidden_layers, 2, slots, kv_heads, max_len, _head_dim(config))
-        self.kv = torch.zeros(shape, device=device, dtype=dtype)
-        self.k, self.v = self.kv[:, 0], self.kv[:, 1]
+        kv_heads, d, layers = config.num_key_value_heads, _head_dim(config), config.num_hidden_layers
+        self.kv = torch.zeros((layers, 2, slots, kv_heads, max_len, d), device=device, dtype=dtype)
+        self.k = self.kv[:, 0].view(layers, slots, kv_heads, d, max_len).transpose(-1, -2)
+        self.v = self.kv[:, 1]
         self.rows = torch.arange(slots, device=device)
+        self.heads = torch.arange(kv_heads, device=device)
         self.slots, self.max_len, self.kv_heads = slots, max_len, kv_heads
-        # For flat_rows: offset of (k|v, head) inside one slot's block of `layer_rows(layer)`.
-        which = torch.arange(2, device=device)[:, None]
-        self._head_offsets = (
-            (which * slots * kv_heads + torch.arange(kv_heads, device=device)) * max_len
-        ).view(-1)
 
-    def layer_rows(self, layer: int) -> torch.Tensor:
-        """Layer `layer`'s keys and values as rows [2 * slots * kv_heads * max_len, head_dim] (a view)."""
-        return self.kv[layer].view(-1, self.kv.shape[-1])
-
-    def flat_rows(self, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """[N, 2 * kv_heads] rows of `layer_rows` where token n (at `slots[n]`, `positions[n]`) stores its
-        keys (first kv_heads columns) and values (last kv_heads): the same for every layer."""
-        base = slots * (self.kv_heads * self.max_len) + positions
-        return base[:, None] + self._head_offsets[None, :]
+    def store(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k, v) -> None:
+        """Write k, v [N, kv_heads, head_dim] of N tokens at (slots[n], positions[n]) in `layer`."""
+        where = (slots[:, None], self.heads[None, :], positions[:, None])
+        self.k[layer].index_put_(where, k)
+        self.v[layer].index_put_(where, v)
 
     def move(self, src: int, dst: int, length: int) -> None:
         """Copy slot `src`'s first `length` positions into slot `dst` (compaction after a finish)."""
-        self.kv[:, :, dst, :, :length] = self.kv[:, :, src, :, :length]
+        self.k[:, dst, :, :length] = self.k[:, src, :, :length]
+        self.v[:, dst, :, :length] = self.v[:, src, :, :length]
 
     def nbytes(self) -> int:
         return self.kv.numel() * self.kv.element_size()
@@ -356,6 +358,8 @@ class CausalLM(nn.Module):
         inv_freq = 1.0 / (_rope_theta(config) ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        # The native fused decode attention (`kernels.decode_attention`), set by an engine that wants it.
+        self.native_decode: Callable | None = None
 
     # -- construction -------------------------------------------------------------------------------------
     @classmethod
@@ -455,14 +459,15 @@ class CausalLM(nn.Module):
         slots = torch.repeat_interleave(
             torch.arange(slot0, slot0 + len(seqs), device=dev), torch.tensor(lengths, device=dev)
         )
-        rows = cache.flat_rows(slots, positions)
         starts = [sum(lengths[:i]) for i in range(len(lengths))]
         spans = list(zip(starts, lengths))
         x = self.model.embed_tokens(ids)
         cos, sin = self._rope(positions[None], x.dtype)
         cos, sin = cos[0], sin[0]  # [1, T, D]: broadcast over heads
         for i, layer in enumerate(self.model.layers):
-            x = x + layer.self_attn.prefill_packed(layer.input_layernorm(x), cos, sin, cache, i, rows, spans)
+            x = x + layer.self_attn.prefill_packed(
+                layer.input_layernorm(x), cos, sin, cache, i, (slots, positions), spans
+            )
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         last = torch.tensor([s + n - 1 for s, n in spans], device=dev)
         return linear(self.lm_head, self.model.norm(x[last]))
@@ -473,6 +478,9 @@ class CausalLM(nn.Module):
         h, kv, d = self.config.num_attention_heads, self.config.num_key_value_heads, _head_dim(self.config)
         cos, sin = self._rope(lens[:, None], torch.float32)
         cos, sin = cos[:, 0, 0], sin[:, 0, 0]  # [B, D]
+        kernel = self.native_decode
+        if kernel is not None and lens.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
+            return DecodeStep(cos=cos, sin=sin, bias=None, span=span, lens=lens, kernel=kernel)
         half = d // 2
         sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)  # rotate_half's sign, folded in
         scale = d**-0.5
@@ -484,9 +492,9 @@ class CausalLM(nn.Module):
         return DecodeStep(
             cos=cos_rows.to(dtype),
             sin=sin_rows.to(dtype),
-            rows=cache.flat_rows(cache.rows[:b], lens),
             bias=bias.repeat_interleave(kv, dim=0),
             span=span,
+            lens=lens,
         )
 
     def decode(
