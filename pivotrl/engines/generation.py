@@ -234,9 +234,9 @@ class GenerationEngine(RequestBook):
         self.dtype = next(self.model.parameters()).dtype
         # oneDNN-prepacked weights on CPU (fp32): faster decode matmuls; refreshed when weights change.
         self.packed = self.model.pack_for_inference(pack_weights)
-        # The fused native decode attention (`kernels.py`) where it builds; else the same math in torch ops.
-        self.model.native_decode = kernels.decode_attention() if native_kernels else None
-        self.native_kernels = self.model.native_decode is not None
+        # The fused native decode kernels (`kernels.py`) where they build; else the same math in torch ops.
+        self.model.native = kernels.native() if native_kernels else None
+        self.native_kernels = self.model.native is not None
         self.kv_budget_tokens = kv_budget_tokens
         self.max_batch = max_batch
         pos_limit = int(getattr(self.config, "max_position_embeddings", 1 << 30))
@@ -343,7 +343,7 @@ class GenerationEngine(RequestBook):
         self._ready = []
         self.cache = None
         self.model.pack_for_inference(False)  # drop the packed weight copies held on the model
-        self.model.native_decode = None
+        self.model.native = None
         self.model = None  # type: ignore[assignment]
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

@@ -1,11 +1,13 @@
 """Native CPU kernels for the decode step, compiled on first use; the torch path stands in without them.
 
-Why: see `csrc/decode_attention.cpp` — one decode step's attention is many tiny ops in torch, and on CPU
-their fixed costs, not their FLOPs, dominate a small model's step. The kernel is built with
+Why: see `csrc/decode_attention.cpp` — between its matmuls, one decode step is many tiny ops in torch
+(RoPE, KV store, small batched attention matmuls, softmax, residual adds, norms, SwiGLU), and on CPU their
+fixed costs, not their FLOPs, dominate a small model's step. The kernels fuse them: one attention call
+per layer, one add+norm between sublayers, one silu*mul. The kernel is built with
 `torch.utils.cpp_extension.load` (a C++ compiler and ninja are needed; the build is cached under torch's
 extensions directory, about 40 s the first time on a 2-core box, instant after). Where it cannot be built
-(no compiler, another platform) or `PIVOTRL_NATIVE_KERNELS=0`, `decode_attention()` returns None and the
-model runs the equivalent torch ops, so nothing depends on the kernel being present.
+(no compiler, another platform) or `PIVOTRL_NATIVE_KERNELS=0`, `native()` returns None and the model runs
+the equivalent torch ops, so nothing depends on the kernels being present.
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Callable
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -44,12 +45,11 @@ def _build() -> object | None:
         return None
 
 
-def decode_attention() -> Callable | None:
-    """The compiled `decode_attention(qkv, cos, sin, kv_layer, lens, heads, scale)`, or None."""
+def native() -> object | None:
+    """The compiled module (`decode_attention`, `add_rms_norm`, `silu_mul`; see the C++ source), or None."""
     if not enabled_by_env():
         return None
     with _lock:
         if "module" not in _loaded:
             _loaded["module"] = _build()
-    module = _loaded["module"]
-    return None if module is None else module.decode_attention
+    return _loaded["module"]

@@ -164,8 +164,9 @@ class DecodeStep:
     the 1/sqrt(head_dim) attention scale, v's rows are the identity (cos 1, sin 0), and sin carries
     rotate_half's sign so RoPE is `t * cos + swap_halves(t) * sin`. bias: [B * kv_heads, 1, span], 0 up to
     each sequence's position and -inf after. span: max position + 1. lens: [B] positions.
-    With `kernel` (the native `kernels.decode_attention`), cos/sin are instead the plain fp32 rotary rows
-    [B, D] at each position and bias is not needed (None): the kernel does RoPE, store and attention.
+    With `kernel` (the native `decode_attention`, see `kernels.py`), cos/sin are instead the plain fp32
+    rotary rows [B, D] at each position and bias is not needed (None): the kernel does RoPE, store and
+    attention.
     """
 
     cos: torch.Tensor
@@ -358,8 +359,8 @@ class CausalLM(nn.Module):
         inv_freq = 1.0 / (_rope_theta(config) ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
-        # The native fused decode attention (`kernels.decode_attention`), set by an engine that wants it.
-        self.native_decode: Callable | None = None
+        # The native decode kernels (`kernels.native()`), set by an engine that wants them; None: torch ops.
+        self.native: object | None = None
 
     # -- construction -------------------------------------------------------------------------------------
     @classmethod
@@ -478,9 +479,10 @@ class CausalLM(nn.Module):
         h, kv, d = self.config.num_attention_heads, self.config.num_key_value_heads, _head_dim(self.config)
         cos, sin = self._rope(lens[:, None], torch.float32)
         cos, sin = cos[:, 0, 0], sin[:, 0, 0]  # [B, D]
-        kernel = self.native_decode
-        if kernel is not None and lens.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
-            return DecodeStep(cos=cos, sin=sin, bias=None, span=span, lens=lens, kernel=kernel)
+        if self._native_ok(lens, dtype):
+            return DecodeStep(
+                cos=cos, sin=sin, bias=None, span=span, lens=lens, kernel=self.native.decode_attention
+            )
         half = d // 2
         sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)  # rotate_half's sign, folded in
         scale = d**-0.5
@@ -508,10 +510,31 @@ class CausalLM(nn.Module):
         span = int(lens.max()) + 1 if span is None else span
         x = self.model.embed_tokens(tokens)
         step = self.decode_step(lens, span, cache, x.dtype)
+        if step.kernel is None:
+            for i, layer in enumerate(self.model.layers):
+                x.add_(layer.self_attn.decode(layer.input_layernorm(x), step, cache, i))
+                x.add_(layer.mlp(layer.post_attention_layernorm(x)))
+            return linear(self.lm_head, self.model.norm(x))
+        # Native: each residual add is fused with the norm that follows it, and SwiGLU is one call.
+        native, delta = self.native, None
         for i, layer in enumerate(self.model.layers):
-            x.add_(layer.self_attn.decode(layer.input_layernorm(x), step, cache, i))
-            x.add_(layer.mlp(layer.post_attention_layernorm(x)))
-        return linear(self.lm_head, self.model.norm(x))
+            norm = layer.input_layernorm
+            h = native.add_rms_norm(x, delta, norm.weight, norm.eps)
+            attn = layer.self_attn.decode(h, step, cache, i)
+            norm = layer.post_attention_layernorm
+            h = native.add_rms_norm(x, attn, norm.weight, norm.eps)
+            mlp = layer.mlp
+            delta = linear(mlp.down_proj, native.silu_mul(mlp.gate_up(h)))
+        norm = self.model.norm
+        return linear(self.lm_head, native.add_rms_norm(x, delta, norm.weight, norm.eps))
+
+    def _native_ok(self, lens: torch.Tensor, dtype: torch.dtype) -> bool:
+        return (
+            self.native is not None
+            and lens.device.type == "cpu"
+            and dtype in (torch.float32, torch.bfloat16)
+            and self.model.layers[0].mlp.gate_up.enabled  # fused projections: what the kernels expect
+        )
 
 
 def num_parameters(model: nn.Module) -> int:
