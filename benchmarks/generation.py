@@ -19,7 +19,9 @@ Length of row i = min(512, scale x (tokens of its reference answer + 1)), which 
 Tokens/s counts the tokens each sequence was asked for (identical on both sides).
 
 Our engine runs its own compact model with oneDNN-prepacked weights on CPU (same math and dtype; recorded
-as ``ours_packed_weights``); transformers runs its stock modules. With ``--dtype bfloat16`` both sides load
+as ``ours_packed_weights``) and its native fused decode kernels where they build (recorded as
+``ours_native_kernels``; ``PIVOTRL_NATIVE_KERNELS=0`` measures the torch-ops path); transformers runs its
+stock modules (SDPA attention). With ``--dtype bfloat16`` both sides load
 the weights in bf16 (on a CPU with avx512_bf16 oneDNN runs bf16 matmuls natively); our engine still samples
 and computes log-probs in fp32 from the bf16 logits.
 
@@ -277,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
 
     ordered = sorted(tail_lengths)
     headline = ratios(tps_cpu)
+    probe = GenerationEngine(model, kv_budget_tokens=64, max_batch=1)
     result = {
         "model": "small",
         "parameters": num_parameters(model),
@@ -286,7 +289,8 @@ def main(argv: list[str] | None = None) -> int:
         "quick": args.quick,
         "timing": "process CPU time (headline); wall-clock in *_wall",
         "greedy_token_agreement": agreement,
-        "ours_packed_weights": GenerationEngine(model, kv_budget_tokens=64, max_batch=1).packed,
+        "ours_packed_weights": probe.packed,
+        "ours_native_kernels": probe.native_kernels,
         "hf_attn_implementation": str(hf.config._attn_implementation),
         "longtail": {
             "n": len(tail_lengths),

@@ -5,12 +5,18 @@ must be able to add sequences at any step, abort any sequence and get back what 
 resume that partial sequence on *another* device. This engine does exactly that:
 
 * **Continuous batching.** Every `step()` admits waiting sequences into free slots (FIFO, within the KV
-  budget), prefills them in one right-padded batch, decodes one token for every sequence already running,
-  and samples all rows at once. A finished sequence leaves in the same step and its slot is reused.
-* **KV cache.** One pre-allocated slot cache `[layers, max_batch, kv_heads, cap, head_dim]` (see
-  `model.KVSlots`). Running sequences are kept compact in slots 0..B-1 (a finished row is replaced by the
-  last row), so decode attends to a plain view (grouped matmuls, a length bias). `cap` starts small and
-  doubles when a sequence needs more room — a rare, amortised copy, never a per-step reallocation.
+  budget), prefills them in one batch packed back to back (no padding: prompts are long-tailed), decodes
+  one token for every sequence already running, and samples all rows at once. A finished sequence leaves
+  in the same step and its slot is reused.
+* **Fast decode.** Weights oneDNN-prepacked on CPU (fp32, and bf16 where the CPU has native bf16), fused
+  q/k/v and gate/up matmuls, and native fused kernels for the rest of the step (`kernels.py`; built on
+  first use, torch ops where they cannot build). `dtype=torch.bfloat16` casts the weights once at build;
+  sampling and log-probs stay fp32, computed from the logits. fp32 is the default.
+* **KV cache.** One pre-allocated slot cache, read as `[layers, max_batch, kv_heads, cap, head_dim]` (see
+  `model.KVSlots`; keys are stored transposed underneath). Running sequences are kept compact in slots
+  0..B-1 (a finished row is replaced by the last row), so decode attends to a plain view, never a gather.
+  `cap` starts small and doubles when a sequence needs more room — a rare, amortised copy, never a
+  per-step reallocation.
 * **KV budget.** `kv_budget_tokens` bounds the sum over running sequences of their *reservation*
   ``min(len(prompt) + max_new_tokens, max_seq_len)``, i.e. the most tokens each could ever cache. Admission
   waits until a reservation fits, so the cache can never overflow the budget mid-flight.

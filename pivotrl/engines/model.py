@@ -8,6 +8,12 @@ as HF safetensors, published to the parameter store, and loaded by transformers 
 
 Blocks: RMSNorm → GQA attention with RoPE (q/k/v bias for Qwen2, per config for Llama) → RMSNorm →
 SwiGLU MLP, pre-norm residuals, final RMSNorm, lm_head tied to the embedding when the config says so.
+
+Engine paths: `prefill_packed` runs new sequences back to back without padding; `decode` runs one token
+per running sequence, through the native fused kernels (`kernels.py`: attention, add+norm, SwiGLU) when an
+engine switched them on, else through the same math in torch ops. Both work in fp32 and bf16 (CPU bf16
+matmuls are oneDNN-prepacked like fp32 ones); `tests/engines/test_decode_paths.py` checks every path
+against the plain forward.
 """
 
 from __future__ import annotations
