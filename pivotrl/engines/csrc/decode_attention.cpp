@@ -13,7 +13,7 @@
 #include <cmath>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__SSE__)
 #include <immintrin.h>
 #endif
 
@@ -219,6 +219,23 @@ void rope(const T* x, const float* cos, const float* sin, int64_t D, float scale
     out[d] = (to_float(x[d]) * cos[d] + to_float(x[d - half]) * sin[d]) * scale;
 }
 
+// Ask for the next task's keys and values (into L2) while this one computes: they are many short runs
+// (one per head dimension for the transposed keys) that the hardware prefetcher does not foresee.
+template <typename T>
+inline void prefetch_task(const T* kv, const int64_t* lens, int64_t task, int64_t KV, int64_t D, int64_t L,
+                          int64_t slot_stride, int64_t head_stride, int64_t kv_stride) {
+#if defined(__AVX512F__) || defined(__SSE__)
+  const int64_t b = task / KV, h = task % KV, n = lens[b] + 1;
+  const char* k = reinterpret_cast<const char*>(kv + b * slot_stride + h * head_stride);
+  const char* v = reinterpret_cast<const char*>(kv + b * slot_stride + h * head_stride + kv_stride);
+  const int64_t row_bytes = n * static_cast<int64_t>(sizeof(T)), stride = L * static_cast<int64_t>(sizeof(T));
+  for (int64_t d = 0; d < D; ++d)
+    for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(k + d * stride + off, _MM_HINT_T1);
+  const int64_t v_bytes = n * D * static_cast<int64_t>(sizeof(T));
+  for (int64_t off = 0; off < v_bytes; off += 64) _mm_prefetch(v + off, _MM_HINT_T1);
+#endif
+}
+
 template <typename T>
 void decode_attention_impl(const T* qkv, const float* cos, const float* sin, T* kv, const int64_t* lens, T* y,
                            int64_t B, int64_t H, int64_t KV, int64_t D, int64_t slots, int64_t L, float scale) {
@@ -233,6 +250,7 @@ void decode_attention_impl(const T* qkv, const float* cos, const float* sin, T* 
       const float* s = sin + b * D;
       T* k = kv + b * slot_stride + h * head_stride;
       T* v = k + kv_stride;
+      if (task + 1 < end) prefetch_task<T>(kv, lens, task + 1, KV, D, L, slot_stride, head_stride, kv_stride);
       rope(x + (H + h) * D, c, s, D, 1.f, tmp.data());
       for (int64_t d = 0; d < D; ++d) {
         k[d * L + pos] = static_cast<T>(tmp[d]);  // keys are stored transposed: [D, L] per head
