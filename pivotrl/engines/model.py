@@ -471,13 +471,25 @@ class CausalLM(nn.Module):
         x = self.model.embed_tokens(ids)
         cos, sin = self._rope(positions[None], x.dtype)
         cos, sin = cos[0], sin[0]  # [1, T, D]: broadcast over heads
-        for i, layer in enumerate(self.model.layers):
-            x = x + layer.self_attn.prefill_packed(
-                layer.input_layernorm(x), cos, sin, cache, i, (slots, positions), spans
-            )
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
         last = torch.tensor([s + n - 1 for s, n in spans], device=dev)
-        return linear(self.lm_head, self.model.norm(x[last]))
+        if not self._native_ok(positions, x.dtype):
+            for i, layer in enumerate(self.model.layers):
+                x = x + layer.self_attn.prefill_packed(
+                    layer.input_layernorm(x), cos, sin, cache, i, (slots, positions), spans
+                )
+                x = x + layer.mlp(layer.post_attention_layernorm(x))
+            return linear(self.lm_head, self.model.norm(x[last]))
+        native, delta = self.native, None  # as in `decode`: fused residual add + norm, fused SwiGLU
+        for i, layer in enumerate(self.model.layers):
+            norm = layer.input_layernorm
+            h = native.add_rms_norm(x, delta, norm.weight, norm.eps)
+            attn = layer.self_attn.prefill_packed(h, cos, sin, cache, i, (slots, positions), spans)
+            norm = layer.post_attention_layernorm
+            h = native.add_rms_norm(x, attn, norm.weight, norm.eps)
+            delta = linear(layer.mlp.down_proj, native.silu_mul(layer.mlp.gate_up(h)))
+        x = x[last]
+        norm = self.model.norm
+        return linear(self.lm_head, native.add_rms_norm(x, delta[last], norm.weight, norm.eps))
 
     def decode_step(self, lens: torch.Tensor, span: int, cache: KVSlots, dtype: torch.dtype) -> DecodeStep:
         """What every layer of one decode step shares, built once: see `DecodeStep`."""
