@@ -201,3 +201,12 @@ def test_bf16_abort_then_resume_on_another_engine_is_identical(debug_model_dir, 
         assert got.generated_ids == ref.generated_ids, ref.seq_id
         # bf16 logits: the resumed prefix is recomputed by prefill, so its log-probs match to bf16 precision
         assert torch.allclose(torch.tensor(got.logprobs), torch.tensor(ref.logprobs), atol=5e-2)
+
+
+def test_native_kernels_switched_off_fall_back_to_torch_ops(monkeypatch, debug_model_dir):
+    monkeypatch.setenv("PIVOTRL_NATIVE_KERNELS", "0")
+    assert kernels.native() is None
+    engine = GenerationEngine(CausalLM.from_pretrained(debug_model_dir), kv_budget_tokens=1024, max_batch=2)
+    assert engine.native_kernels is False and engine.model.native is None
+    out = engine.generate(_reqs(_prompts(2, seed=5)))
+    assert [len(r.generated_ids) for r in out] == [40, 40]
