@@ -2,8 +2,9 @@
 
     python -m benchmarks.generation --quick --json OUT.json
 
-Three comparisons on the `small` model (fp32, same torch thread count on both sides, warm-up excluded,
-medians of >= 3 repeats with the sides interleaved so machine noise hits both alike):
+Three comparisons on the `small` model (`--dtype`, fp32 by default, the SAME dtype and torch thread count on
+both sides, warm-up excluded, medians of >= 3 repeats with the sides interleaved so machine noise hits both
+alike):
 
 (a) 32 sequences x 128 new tokens, greedy: ours vs `model.generate` (one static batch)
     -> ``ratio_vs_hf_generate``
@@ -17,8 +18,12 @@ per-sequence `max_new_tokens` (no stop ids), transformers via a per-row `Stoppin
 Length of row i = min(512, scale x (tokens of its reference answer + 1)), which keeps the task's tail.
 Tokens/s counts the tokens each sequence was asked for (identical on both sides).
 
-Our engine runs its own compact model with oneDNN-prepacked fp32 weights on CPU (same math and dtype;
-recorded as ``ours_packed_weights``); transformers runs its stock modules.
+Our engine runs its own compact model with oneDNN-prepacked weights on CPU (same math and dtype; recorded
+as ``ours_packed_weights``) and its native fused decode kernels where they build (recorded as
+``ours_native_kernels``; ``PIVOTRL_NATIVE_KERNELS=0`` measures the torch-ops path); transformers runs its
+stock modules (SDPA attention). With ``--dtype bfloat16`` both sides load
+the weights in bf16 (on a CPU with avx512_bf16 oneDNN runs bf16 matmuls natively); our engine still samples
+and computes log-probs in fp32 from the bf16 logits.
 
 Timing: both wall-clock and process CPU time are recorded for every run. The headline ratios use CPU time:
 with one torch thread per side, CPU seconds are what the run costs, and they do not swing with the load of
@@ -151,6 +156,9 @@ def _hf_continuous(hf, prompts: list[list[int]], max_new_tokens: int, sized: boo
     return timing
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
 def _agreement(model: CausalLM, hf, prompts: list[list[int]], n: int) -> float:
     """Fraction of greedy tokens on which both sides agree (sanity check that the work is equivalent)."""
     engine = GenerationEngine(model, kv_budget_tokens=len(prompts) * 256, max_batch=len(prompts))
@@ -192,6 +200,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--dtype", choices=sorted(DTYPES), default="float32", help="weights and activations, BOTH sides"
+    )
+    parser.add_argument(
         "--skip-hf-defaults", action="store_true", help="do not run generate_batch with defaults"
     )
     args = parser.parse_args(argv)
@@ -200,16 +211,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--repeats must be >= 3 (medians of at least three)")
     scale = 4 if args.quick else 8
     torch.set_num_threads(args.threads)
+    dtype = DTYPES[args.dtype]
 
     from transformers import AutoModelForCausalLM
 
     tok = build_tokenizer()
     with tempfile.TemporaryDirectory() as tmp:
         path = create_model("small", Path(tmp) / "small", seed=args.seed)
-        model = CausalLM.from_pretrained(path, dtype=torch.float32)
-        hf = AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch.float32, attn_implementation="sdpa"
-        ).eval()
+        model = CausalLM.from_pretrained(path, dtype=dtype)
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").eval()
 
     problems = get_task("sort").sample(256, args.seed)
     task_prompts = [tok(p.prompt)["input_ids"] for p in problems]
@@ -219,7 +229,10 @@ def main(argv: list[str] | None = None) -> int:
     ]
     short_prompts, short_lengths = task_prompts[:32], [128] * 32
 
-    print(f"small model: {num_parameters(model) / 1e6:.1f}M parameters, fp32, torch threads={args.threads}")
+    print(
+        f"small model: {num_parameters(model) / 1e6:.1f}M parameters, {args.dtype}, "
+        f"torch threads={args.threads}"
+    )
     agreement = _agreement(model, hf, short_prompts[:8], 32)
     print(f"greedy token agreement ours vs transformers: {agreement:.3f}")
 
@@ -266,16 +279,18 @@ def main(argv: list[str] | None = None) -> int:
 
     ordered = sorted(tail_lengths)
     headline = ratios(tps_cpu)
+    probe = GenerationEngine(model, kv_budget_tokens=64, max_batch=1)
     result = {
         "model": "small",
         "parameters": num_parameters(model),
-        "dtype": "float32",
+        "dtype": args.dtype,
         "torch_threads": args.threads,
         "repeats": repeats,
         "quick": args.quick,
         "timing": "process CPU time (headline); wall-clock in *_wall",
         "greedy_token_agreement": agreement,
-        "ours_packed_weights": GenerationEngine(model, kv_budget_tokens=64, max_batch=1).packed,
+        "ours_packed_weights": probe.packed,
+        "ours_native_kernels": probe.native_kernels,
         "hf_attn_implementation": str(hf.config._attn_implementation),
         "longtail": {
             "n": len(tail_lengths),

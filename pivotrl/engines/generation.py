@@ -5,12 +5,18 @@ must be able to add sequences at any step, abort any sequence and get back what 
 resume that partial sequence on *another* device. This engine does exactly that:
 
 * **Continuous batching.** Every `step()` admits waiting sequences into free slots (FIFO, within the KV
-  budget), prefills them in one right-padded batch, decodes one token for every sequence already running,
-  and samples all rows at once. A finished sequence leaves in the same step and its slot is reused.
-* **KV cache.** One pre-allocated slot cache `[layers, max_batch, kv_heads, cap, head_dim]` (see
-  `model.KVSlots`). Running sequences are kept compact in slots 0..B-1 (a finished row is replaced by the
-  last row), so decode attends to a plain view (grouped matmuls, a length bias). `cap` starts small and
-  doubles when a sequence needs more room — a rare, amortised copy, never a per-step reallocation.
+  budget), prefills them in one batch packed back to back (no padding: prompts are long-tailed), decodes
+  one token for every sequence already running, and samples all rows at once. A finished sequence leaves
+  in the same step and its slot is reused.
+* **Fast decode.** Weights oneDNN-prepacked on CPU (fp32, and bf16 where the CPU has native bf16), fused
+  q/k/v and gate/up matmuls, and native fused kernels for the rest of the step (`kernels.py`; built on
+  first use, torch ops where they cannot build). `dtype=torch.bfloat16` casts the weights once at build;
+  sampling and log-probs stay fp32, computed from the logits. fp32 is the default.
+* **KV cache.** One pre-allocated slot cache, read as `[layers, max_batch, kv_heads, cap, head_dim]` (see
+  `model.KVSlots`; keys are stored transposed underneath). Running sequences are kept compact in slots
+  0..B-1 (a finished row is replaced by the last row), so decode attends to a plain view, never a gather.
+  `cap` starts small and doubles when a sequence needs more room — a rare, amortised copy, never a
+  per-step reallocation.
 * **KV budget.** `kv_budget_tokens` bounds the sum over running sequences of their *reservation*
   ``min(len(prompt) + max_new_tokens, max_seq_len)``, i.e. the most tokens each could ever cache. Admission
   waits until a reservation fits, so the cache can never overflow the budget mid-flight.
@@ -37,6 +43,7 @@ from typing import Any, Literal
 
 import torch
 
+from pivotrl.engines import kernels
 from pivotrl.engines.model import CausalLM, KVSlots
 from pivotrl.engines.models import EOS_ID
 
@@ -219,6 +226,7 @@ class GenerationEngine(RequestBook):
         initial_cache_len: int = 256,
         max_samples: int = 4096,
         pack_weights: bool = True,
+        native_kernels: bool = True,
     ) -> None:
         if kv_budget_tokens < 1 or max_batch < 1:
             raise ValueError("kv_budget_tokens and max_batch must be >= 1")
@@ -232,6 +240,9 @@ class GenerationEngine(RequestBook):
         self.dtype = next(self.model.parameters()).dtype
         # oneDNN-prepacked weights on CPU (fp32): faster decode matmuls; refreshed when weights change.
         self.packed = self.model.pack_for_inference(pack_weights)
+        # The fused native decode kernels (`kernels.py`) where they build; else the same math in torch ops.
+        self.model.native = kernels.native() if native_kernels else None
+        self.native_kernels = self.model.native is not None
         self.kv_budget_tokens = kv_budget_tokens
         self.max_batch = max_batch
         pos_limit = int(getattr(self.config, "max_position_embeddings", 1 << 30))
@@ -338,6 +349,7 @@ class GenerationEngine(RequestBook):
         self._ready = []
         self.cache = None
         self.model.pack_for_inference(False)  # drop the packed weight copies held on the model
+        self.model.native = None
         self.model = None  # type: ignore[assignment]
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -372,16 +384,16 @@ class GenerationEngine(RequestBook):
     def _admit(self) -> list[GenRequest]:
         """Pop waiting requests (FIFO) while a slot, the KV budget and the prefill cap allow."""
         admitted: list[GenRequest] = []
-        longest = 0
+        tokens = 0  # prefill is packed (no padding): its cost follows the sum of the lengths
         while self.waiting and len(self.running) + len(admitted) < self.max_batch:
             req = self.waiting[0]
             need = self.reservation(req)
             if self.reserved_tokens + need > self.kv_budget_tokens:
                 break
             n_tok = len(req.prompt_ids) + len(req.generated_ids)
-            if admitted and (len(admitted) + 1) * max(longest, n_tok) > self.max_prefill_tokens:
+            if admitted and tokens + n_tok > self.max_prefill_tokens:
                 break
-            longest = max(longest, n_tok)
+            tokens += n_tok
             self.waiting.popleft()
             self.reserved_tokens += need
             admitted.append(req)
@@ -406,14 +418,9 @@ class GenerationEngine(RequestBook):
     def _prefill(self, row0: int, reqs: list[GenRequest]) -> torch.Tensor:
         seqs = [r.prompt_ids + r.generated_ids for r in reqs]
         lengths = [len(s) for s in seqs]
-        width = max(lengths)
-        self._ensure_capacity(width + 1)
-        ids = torch.zeros(len(seqs), width, dtype=torch.long)
-        for i, s in enumerate(seqs):
-            ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
-        ids = ids.to(self.device)
+        self._ensure_capacity(max(lengths) + 1)
         lens = torch.tensor(lengths, dtype=torch.long, device=self.device)
-        logits = self.model.prefill(ids, lens - 1, self.cache, slot0=row0)
+        logits = self.model.prefill_packed(seqs, self.cache, slot0=row0)
 
         rows = slice(row0, row0 + len(reqs))
         self.lens[rows] = lens
@@ -451,8 +458,9 @@ class GenerationEngine(RequestBook):
 
     def _decode(self, n: int) -> torch.Tensor:
         lens = self.lens[:n]
-        self._ensure_capacity(int(lens.max()) + 1)
-        logits = self.model.decode(self.last_tok[:n], lens, self.cache)
+        span = int(lens.max()) + 1
+        self._ensure_capacity(span)
+        logits = self.model.decode(self.last_tok[:n], lens, self.cache, span)
         self.lens[:n] += 1
         return logits
 

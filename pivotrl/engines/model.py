@@ -8,10 +8,18 @@ as HF safetensors, published to the parameter store, and loaded by transformers 
 
 Blocks: RMSNorm → GQA attention with RoPE (q/k/v bias for Qwen2, per config for Llama) → RMSNorm →
 SwiGLU MLP, pre-norm residuals, final RMSNorm, lm_head tied to the embedding when the config says so.
+
+Engine paths: `prefill_packed` runs new sequences back to back without padding; `decode` runs one token
+per running sequence, through the native fused kernels (`kernels.py`: attention, add+norm, SwiGLU) when an
+engine switched them on, else through the same math in torch ops. Both work in fp32 and bf16 (CPU bf16
+matmuls are oneDNN-prepacked like fp32 ones); `tests/engines/test_decode_paths.py` checks every path
+against the plain forward.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -53,29 +61,44 @@ def _can_pack() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+def _packable(dtype: torch.dtype) -> bool:
+    """Weight dtypes oneDNN prepacks on this CPU: fp32 always, bf16 where the CPU has native bf16 support
+    (avx512_bf16 / AMX; otherwise oneDNN would emulate it and the packed path is no faster)."""
+    if dtype == torch.float32:
+        return True
+    return dtype == torch.bfloat16 and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def linear(m: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """`m(x)`, through a oneDNN-prepacked weight when the module was packed and no gradient is wanted.
 
     Why: for decode-sized batches on CPU, MKL re-packs the weight on every call; a weight packed once is
     15-35% faster. The packed copy is refreshed whenever the weight changes (its tensor version or storage
     moves, as on `load_state_dict`, an optimizer step or `.to()`), so a packed module never computes with
-    stale weights; a weight cast away from fp32 or moved off the CPU drops it.
+    stale weights; a weight cast to a dtype oneDNN does not pack (see `_packable`) or moved off the CPU
+    drops it.
     """
     packed = m.__dict__.get("_packed")
     if packed is None or torch.is_grad_enabled() or x.device.type != "cpu":
         return m(x)
     w = m.weight
-    if w.dtype != torch.float32 or w.device.type != "cpu":  # moved or cast (`.to()`): packing is fp32 CPU
+    if w.device.type != "cpu" or not _packable(w.dtype):  # moved or cast (`.to()`) out of packing's reach
         m.__dict__.pop("_packed", None)
         return m(x)
-    if packed[1] is not w or packed[2] != w._version or packed[3] != w.data_ptr():
+    if packed[1] is not w or packed[2] != w._version or packed[3] != w.data_ptr() or packed[4] != w.dtype:
         packed = _pack(m)
     return torch.ops.mkldnn._linear_pointwise(x, packed[0], m.bias, "none", [], "")
 
 
 def _pack(m: nn.Linear, batch_hint: int = 32):
     w = m.weight
-    packed = (torch.ops.mkldnn._reorder_linear_weight(w.detach(), batch_hint), w, w._version, w.data_ptr())
+    packed = (
+        torch.ops.mkldnn._reorder_linear_weight(w.detach(), batch_hint),
+        w,
+        w._version,
+        w.data_ptr(),
+        w.dtype,
+    )
     m.__dict__["_packed"] = packed
     return packed
 
@@ -84,10 +107,10 @@ class FusedLinear:
     """Several Linear layers that read the same input, as one matmul, for no-grad calls only.
 
     Why: a decode step on a small model is dominated by per-call overhead, not FLOPs; q/k/v and gate/up
-    each become one call (and one oneDNN-packed weight on CPU fp32). The fused copy is rebuilt whenever any
-    part's weight changes (its storage or tensor version moves, as on `load_state_dict`, an optimizer step
-    or `.to()`), so it never computes with stale weights. Not an `nn.Module`: it owns no parameters and
-    never appears in the state dict.
+    each become one call (and one oneDNN-packed weight on CPU fp32/bf16). The fused copy is rebuilt
+    whenever any part's weight changes (its storage or tensor version moves, as on `load_state_dict`, an
+    optimizer step or `.to()`), so it never computes with stale weights. Not an `nn.Module`: it owns no
+    parameters and never appears in the state dict.
     """
 
     def __init__(self, parts: list[nn.Linear]) -> None:
@@ -111,7 +134,7 @@ class FusedLinear:
         else:
             b = None
         packed = None
-        if self.pack and w.device.type == "cpu" and w.dtype == torch.float32 and _can_pack():
+        if self.pack and w.device.type == "cpu" and _packable(w.dtype) and _can_pack():
             packed = torch.ops.mkldnn._reorder_linear_weight(w, 32)
             w = None  # the packed copy is all a CPU call needs
         self._state = (key, w, b, packed)
@@ -137,6 +160,27 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [B, heads, T, D]; cos/sin: [B, 1, T, D] (already in x's dtype)."""
     return x * cos + _rotate_half(x) * sin
+
+
+@dataclass(frozen=True)
+class DecodeStep:
+    """What all layers of one decode step share, built once per step (`CausalLM.decode_step`).
+
+    cos/sin: [B, heads + 2 * kv_heads, D] rotary rows in the model dtype for q|k|v together: q's rows carry
+    the 1/sqrt(head_dim) attention scale, v's rows are the identity (cos 1, sin 0), and sin carries
+    rotate_half's sign so RoPE is `t * cos + swap_halves(t) * sin`. bias: [B * kv_heads, 1, span], 0 up to
+    each sequence's position and -inf after. span: max position + 1. lens: [B] positions.
+    With `kernel` (the native `decode_attention`, see `kernels.py`), cos/sin are instead the plain fp32
+    rotary rows [B, D] at each position and bias is not needed (None): the kernel does RoPE, store and
+    attention.
+    """
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    bias: torch.Tensor | None
+    span: int
+    lens: torch.Tensor
+    kernel: Callable | None = None
 
 
 class Attention(nn.Module):
@@ -180,27 +224,60 @@ class Attention(nn.Module):
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv != self.n_heads)
         return self._out(y)
 
-    def decode(self, x, cos, sin, cache: KVSlots, layer: int, index: torch.Tensor, bias: torch.Tensor):
+    def decode(self, x: torch.Tensor, step: DecodeStep, cache: KVSlots, layer: int) -> torch.Tensor:
         """One new token per sequence in slots 0..B-1 (x: [B, hidden]); attends to the cached prefix.
 
-        `index` holds the flat cache rows ((slot * kv_heads + head) * max_len + position) where this step's
-        keys/values go; `bias` [B, 1, 1, span] is 0 up to each sequence's position and -inf after. Both are
-        built once per step for all layers. Attention is written out as two grouped matmuls: for one query
-        token per sequence that is faster on CPU than SDPA's flash kernel, and needs no repeat of the GQA
-        key/value heads.
+        Everything that is the same for all layers (rotary rows, positions, length bias) is in `step`,
+        built once per step. With the native kernel (`step.kernel`), RoPE, the KV store and attention are
+        one call. Otherwise RoPE runs once over q, k and v together (v's rows are the identity) and attention
+        is two grouped matmuls, one query token per sequence and GQA group (faster on CPU than SDPA's flash
+        kernel, no repeat of the kv heads); the 1/sqrt(head_dim) scale is folded into q's rotary rows and the
+        length bias into the first matmul. Both compute the same thing (tested).
         """
         b, d, h, kv = x.shape[0], self.head_dim, self.n_heads, self.n_kv
-        qkv = self.qkv(x)
-        qk = apply_rope(qkv[:, : (h + kv) * d].view(b, h + kv, d), cos, sin)
-        cache.k[layer].view(-1, d).index_copy_(0, index, qk[:, h:].reshape(-1, d))
-        cache.v[layer].view(-1, d).index_copy_(0, index, qkv[:, (h + kv) * d :].reshape(-1, d))
-        span = bias.shape[-1]
-        scores = torch.matmul(
-            qk[:, :h].reshape(b, kv, h // kv, d), cache.k[layer, :b, :, :span].transpose(-1, -2)
-        )
-        probs = torch.softmax(scores.mul_(d**-0.5).add_(bias), dim=-1)
-        y = torch.matmul(probs, cache.v[layer, :b, :, :span])
+        if step.kernel is not None:
+            y = step.kernel(self.qkv(x), step.cos, step.sin, cache.kv[layer], step.lens, h, d**-0.5)
+            return linear(self.o_proj, y)
+        t = self.qkv(x).view(b, h + 2 * kv, d)
+        half = d // 2
+        r = t * step.cos
+        r.addcmul_(torch.cat((t[..., half:], t[..., :half]), dim=-1), step.sin)
+        cache.store(layer, cache.rows[:b], step.lens, r[:, h : h + kv], r[:, h + kv :])
+        span = step.span
+        keys_t = cache.k[layer, :b, :, :span].reshape(b * kv, span, d).transpose(1, 2)  # row-major [D, span]
+        values = cache.v[layer, :b, :, :span].reshape(b * kv, span, d)
+        if keys_t.dtype != torch.float32:
+            # Reduced-precision bmm on CPU copies a strided operand internally, and slower than this does.
+            keys_t, values = keys_t.contiguous(), values.contiguous()
+        scores = torch.baddbmm(step.bias, r[:, :h].reshape(b * kv, h // kv, d), keys_t)
+        y = torch.bmm(torch.softmax(scores, dim=-1), values)
         return linear(self.o_proj, y.view(b, h * d))
+
+    def prefill_packed(
+        self, x: torch.Tensor, cos, sin, cache: KVSlots, layer: int, where: tuple, spans
+    ) -> torch.Tensor:
+        """Several sequences packed back to back in x [T, hidden] (no padding): causal attention within
+        each `spans` (start, length); token t's keys/values go to cache slot where[0][t], position
+        where[1][t]."""
+        t, d, h, kv = x.shape[0], self.head_dim, self.n_heads, self.n_kv
+        qkv = (
+            self.qkv(x)
+            if self.qkv.enabled
+            else torch.cat([linear(self.q_proj, x), linear(self.k_proj, x), linear(self.v_proj, x)], dim=-1)
+        )
+        heads = qkv.view(t, h + 2 * kv, d).transpose(0, 1)  # [heads, T, D]
+        q = apply_rope(heads[:h], cos, sin)
+        k = apply_rope(heads[h : h + kv], cos, sin)
+        v = heads[h + kv :]
+        cache.store(layer, where[0], where[1], k.transpose(0, 1), v.transpose(0, 1))
+        y = torch.empty_like(q)
+        gqa = kv != h
+        for start, n in spans:
+            part = slice(start, start + n)
+            y[:, part] = F.scaled_dot_product_attention(
+                q[None, :, part], k[None, :, part], v[None, :, part], is_causal=True, enable_gqa=gqa
+            )[0]
+        return linear(self.o_proj, y.transpose(0, 1).reshape(t, h * d))
 
 
 class MLP(nn.Module):
@@ -240,18 +317,30 @@ class Backbone(nn.Module):
 
 
 class KVSlots:
-    """Pre-allocated KV cache: k, v of shape [layers, slots, kv_heads, max_len, head_dim].
+    """Pre-allocated KV cache, read through `k`, `v`: [layers, slots, kv_heads, max_len, head_dim] views.
 
     Allocated once per engine; a sequence owns one slot for its lifetime on the engine, and the running
     sequences are kept compact in slots 0..B-1 so decode attends to a plain view, never a gather.
+    Both live in ONE buffer `kv` [layers, 2, slots, kv_heads, max_len, head_dim] (keys, then values), and
+    each key head block holds its keys TRANSPOSED ([head_dim, max_len] in memory; `k` hides that): decode
+    scores are then q times a row-major matrix, which the native kernel (`kernels.py`) reads 16 positions
+    per vector load, and `kv[layer]` is the one contiguous block it takes per layer.
     """
 
     def __init__(self, config, slots: int, max_len: int, device, dtype) -> None:
-        shape = (config.num_hidden_layers, slots, config.num_key_value_heads, max_len, _head_dim(config))
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        kv_heads, d, layers = config.num_key_value_heads, _head_dim(config), config.num_hidden_layers
+        self.kv = torch.zeros((layers, 2, slots, kv_heads, max_len, d), device=device, dtype=dtype)
+        self.k = self.kv[:, 0].view(layers, slots, kv_heads, d, max_len).transpose(-1, -2)
+        self.v = self.kv[:, 1]
         self.rows = torch.arange(slots, device=device)
-        self.slots, self.max_len = slots, max_len
+        self.heads = torch.arange(kv_heads, device=device)
+        self.slots, self.max_len, self.kv_heads = slots, max_len, kv_heads
+
+    def store(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k, v) -> None:
+        """Write k, v [N, kv_heads, head_dim] of N tokens at (slots[n], positions[n]) in `layer`."""
+        where = (slots[:, None], self.heads[None, :], positions[:, None])
+        self.k[layer].index_put_(where, k)
+        self.v[layer].index_put_(where, v)
 
     def move(self, src: int, dst: int, length: int) -> None:
         """Copy slot `src`'s first `length` positions into slot `dst` (compaction after a finish)."""
@@ -259,7 +348,7 @@ class KVSlots:
         self.v[:, dst, :, :length] = self.v[:, src, :, :length]
 
     def nbytes(self) -> int:
-        return self.k.numel() * self.k.element_size() * 2
+        return self.kv.numel() * self.kv.element_size()
 
 
 class CausalLM(nn.Module):
@@ -276,6 +365,8 @@ class CausalLM(nn.Module):
         inv_freq = 1.0 / (_rope_theta(config) ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        # The native decode kernels (`kernels.native()`), set by an engine that wants them; None: torch ops.
+        self.native: object | None = None
 
     # -- construction -------------------------------------------------------------------------------------
     @classmethod
@@ -302,7 +393,7 @@ class CausalLM(nn.Module):
         """Prepack the inference weights for fast CPU calls (oneDNN); returns whether packing is on.
 
         Also switches no-grad calls to the fused q/k/v and gate/up matmuls (see `FusedLinear`; on CPU fp32
-        packed fused, o/down/lm_head packed each on their own). Costs one extra copy of the weights; only
+        bf16 packed fused, o/down/lm_head packed each on their own). Costs one extra copy of the weights; only
         no-grad calls use it, training is unchanged. `enable=False` drops every packed and fused copy (an
         offloaded engine gives the memory back) and returns no-grad calls to the per-layer path.
         """
@@ -316,7 +407,7 @@ class CausalLM(nn.Module):
             f.clear()
         for m in self.modules():
             if isinstance(m, nn.Linear):
-                if enable and m.weight.dtype == torch.float32 and id(m) not in in_fused:
+                if enable and _packable(m.weight.dtype) and id(m) not in in_fused:
                     _pack(m)
                 else:
                     m.__dict__.pop("_packed", None)
@@ -362,27 +453,106 @@ class CausalLM(nn.Module):
         h = h[torch.arange(h.shape[0], device=h.device), last]
         return linear(self.lm_head, h)
 
-    def decode(self, tokens: torch.Tensor, lens: torch.Tensor, cache: KVSlots) -> torch.Tensor:
+    def prefill_packed(self, seqs: list[list[int]], cache: KVSlots, slot0: int) -> torch.Tensor:
+        """Run `seqs` into slots slot0.. packed back to back (no padding); logits [N, V] at each last token.
+
+        Why packed: prompts are long-tailed, and a right-padded batch computes every row at the longest
+        length (about 3x the real tokens for task prompts); only attention needs the sequence bounds.
+        """
+        dev = self.inv_freq.device
+        lengths = [len(s) for s in seqs]
+        ids = torch.tensor([tok for s in seqs for tok in s], dtype=torch.long, device=dev)
+        positions = torch.cat([torch.arange(n, device=dev) for n in lengths])
+        slots = torch.repeat_interleave(
+            torch.arange(slot0, slot0 + len(seqs), device=dev), torch.tensor(lengths, device=dev)
+        )
+        starts = [sum(lengths[:i]) for i in range(len(lengths))]
+        spans = list(zip(starts, lengths))
+        x = self.model.embed_tokens(ids)
+        cos, sin = self._rope(positions[None], x.dtype)
+        cos, sin = cos[0], sin[0]  # [1, T, D]: broadcast over heads
+        last = torch.tensor([s + n - 1 for s, n in spans], device=dev)
+        if not self._native_ok(positions, x.dtype):
+            for i, layer in enumerate(self.model.layers):
+                x = x + layer.self_attn.prefill_packed(
+                    layer.input_layernorm(x), cos, sin, cache, i, (slots, positions), spans
+                )
+                x = x + layer.mlp(layer.post_attention_layernorm(x))
+            return linear(self.lm_head, self.model.norm(x[last]))
+        native, delta = self.native, None  # as in `decode`: fused residual add + norm, fused SwiGLU
+        for i, layer in enumerate(self.model.layers):
+            norm = layer.input_layernorm
+            h = native.add_rms_norm(x, delta, norm.weight, norm.eps)
+            attn = layer.self_attn.prefill_packed(h, cos, sin, cache, i, (slots, positions), spans)
+            norm = layer.post_attention_layernorm
+            h = native.add_rms_norm(x, attn, norm.weight, norm.eps)
+            delta = linear(layer.mlp.down_proj, native.silu_mul(layer.mlp.gate_up(h)))
+        x = x[last]
+        norm = self.model.norm
+        return linear(self.lm_head, native.add_rms_norm(x, delta[last], norm.weight, norm.eps))
+
+    def decode_step(self, lens: torch.Tensor, span: int, cache: KVSlots, dtype: torch.dtype) -> DecodeStep:
+        """What every layer of one decode step shares, built once: see `DecodeStep`."""
+        b, dev = lens.shape[0], lens.device
+        h, kv, d = self.config.num_attention_heads, self.config.num_key_value_heads, _head_dim(self.config)
+        cos, sin = self._rope(lens[:, None], torch.float32)
+        cos, sin = cos[:, 0, 0], sin[:, 0, 0]  # [B, D]
+        if self._native_ok(lens, dtype):
+            return DecodeStep(
+                cos=cos, sin=sin, bias=None, span=span, lens=lens, kernel=self.native.decode_attention
+            )
+        half = d // 2
+        sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)  # rotate_half's sign, folded in
+        scale = d**-0.5
+        one, zero = cos.new_ones(b, kv, d), cos.new_zeros(b, kv, d)
+        cos_rows = torch.cat(((cos * scale)[:, None].expand(b, h, d), cos[:, None].expand(b, kv, d), one), 1)
+        sin_rows = torch.cat(((sin * scale)[:, None].expand(b, h, d), sin[:, None].expand(b, kv, d), zero), 1)
+        beyond = torch.arange(span, device=dev)[None, :] > lens[:, None]
+        bias = torch.zeros(b, 1, span, device=dev, dtype=dtype).masked_fill_(beyond[:, None], float("-inf"))
+        return DecodeStep(
+            cos=cos_rows.to(dtype),
+            sin=sin_rows.to(dtype),
+            bias=bias.repeat_interleave(kv, dim=0),
+            span=span,
+            lens=lens,
+        )
+
+    def decode(
+        self, tokens: torch.Tensor, lens: torch.Tensor, cache: KVSlots, span: int | None = None
+    ) -> torch.Tensor:
         """One token for each sequence in slots 0..B-1. tokens, lens: [B]; returns logits [B, V].
 
-        Token b sits at position lens[b] (the number of tokens already cached for slot b).
+        Token b sits at position lens[b] (the number of tokens already cached for slot b); `span`, if the
+        caller knows it, is max(lens) + 1.
         """
-        b, dev = tokens.shape[0], tokens.device
-        span = int(lens.max()) + 1
+        span = int(lens.max()) + 1 if span is None else span
         x = self.model.embed_tokens(tokens)
-        beyond = torch.arange(span, device=dev)[None, :] > lens[:, None]
-        bias = torch.zeros(b, 1, 1, span, device=dev, dtype=x.dtype).masked_fill_(
-            beyond.view(b, 1, 1, span), float("-inf")
-        )
-        kv = self.config.num_key_value_heads
-        heads = torch.arange(kv, device=dev)[None, :]
-        index = ((cache.rows[:b, None] * kv + heads) * cache.max_len + lens[:, None]).reshape(-1)
-        cos, sin = self._rope(lens[:, None], x.dtype)
-        cos, sin = cos[:, 0], sin[:, 0]  # [B, 1, D]: one position per sequence, broadcast over heads
+        step = self.decode_step(lens, span, cache, x.dtype)
+        if step.kernel is None:
+            for i, layer in enumerate(self.model.layers):
+                x.add_(layer.self_attn.decode(layer.input_layernorm(x), step, cache, i))
+                x.add_(layer.mlp(layer.post_attention_layernorm(x)))
+            return linear(self.lm_head, self.model.norm(x))
+        # Native: each residual add is fused with the norm that follows it, and SwiGLU is one call.
+        native, delta = self.native, None
         for i, layer in enumerate(self.model.layers):
-            x = x + layer.self_attn.decode(layer.input_layernorm(x), cos, sin, cache, i, index, bias)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return linear(self.lm_head, self.model.norm(x))
+            norm = layer.input_layernorm
+            h = native.add_rms_norm(x, delta, norm.weight, norm.eps)
+            attn = layer.self_attn.decode(h, step, cache, i)
+            norm = layer.post_attention_layernorm
+            h = native.add_rms_norm(x, attn, norm.weight, norm.eps)
+            mlp = layer.mlp
+            delta = linear(mlp.down_proj, native.silu_mul(mlp.gate_up(h)))
+        norm = self.model.norm
+        return linear(self.lm_head, native.add_rms_norm(x, delta, norm.weight, norm.eps))
+
+    def _native_ok(self, lens: torch.Tensor, dtype: torch.dtype) -> bool:
+        return (
+            self.native is not None
+            and lens.device.type == "cpu"
+            and dtype in (torch.float32, torch.bfloat16)
+            and self.model.layers[0].mlp.gate_up.enabled  # fused projections: what the kernels expect
+        )
 
 
 def num_parameters(model: nn.Module) -> int:

@@ -1,0 +1,212 @@
+"""The engine's fast paths compute what the plain path computes: packed prefill, the native decode kernels
+(`kernels.py`, where they build), and bf16 inference (greedy tokens, abort/resume identity)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pivotrl.engines import kernels
+from pivotrl.engines.generation import GenerationEngine, GenRequest, SamplingParams
+from pivotrl.engines.model import CausalLM, KVSlots
+from pivotrl.engines.models import init_state_dict, make_config
+
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=40, stop_ids=())
+NATIVE = kernels.native()
+needs_native = pytest.mark.skipif(NATIVE is None, reason="native kernels do not build here (no compiler?)")
+
+
+def _prompts(n, seed=0, lo=3, hi=20):
+    rng = random.Random(seed)
+    return [[1] + [rng.randrange(4, 99) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def _reqs(prompts, sampling=GREEDY, prefix="s"):
+    return [GenRequest(f"{prefix}{i}", p, sampling) for i, p in enumerate(prompts)]
+
+
+def _close(got: torch.Tensor, expected: torch.Tensor, tol: float = 1e-4) -> bool:
+    """Equal up to fp32 summation order: max |diff| <= tol, relative to the values' scale when it is > 1."""
+    return (got - expected).abs().max().item() <= tol * max(1.0, expected.abs().max().item())
+
+
+def _spread_model(seed: int, dtype=torch.float32) -> CausalLM:
+    """A debug-size model with spread-out weights (non-trivial logits), fused projections on."""
+    config = make_config("debug")
+    model = CausalLM.from_config(config).eval()
+    sd = init_state_dict(config, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    model.load_state_dict(
+        {k: v * 5 if v.abs().sum() else v + 0.1 * torch.randn(v.shape, generator=gen) for k, v in sd.items()}
+    )
+    model.to(dtype)
+    model.pack_for_inference()
+    return model
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["torch", "native"])
+def test_packed_prefill_then_decode_match_full_forward(native):
+    if native and NATIVE is None:
+        pytest.skip("native kernels do not build here")
+    model = _spread_model(1)
+    model.native = NATIVE if native else None
+    ids = torch.randint(4, model.config.vocab_size, (3, 24), generator=torch.Generator().manual_seed(1))
+    lens = [13, 5, 9]
+    cache = KVSlots(model.config, slots=3, max_len=32, device="cpu", dtype=torch.float32)
+    with torch.no_grad():
+        full = model(ids)
+        first = model.prefill_packed([ids[i, :n].tolist() for i, n in enumerate(lens)], cache, slot0=0)
+        for i, n in enumerate(lens):
+            assert _close(first[i], full[i, n - 1])
+        pos = torch.tensor(lens)
+        for _ in range(8):
+            logits = model.decode(ids[torch.arange(3), pos], pos, cache)
+            assert _close(logits, full[torch.arange(3), pos])
+            pos = pos + 1
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_native_decode_equals_torch_decode_and_stores_the_same_cache(dtype):
+    ids = torch.randint(4, 100, (4, 30), generator=torch.Generator().manual_seed(2))
+    lens = [20, 7, 11, 1]
+    runs = {}
+    for name, run_dtype, native in (
+        ("exact", torch.float32, None),
+        ("torch", dtype, None),
+        ("native", dtype, NATIVE),
+    ):
+        model = _spread_model(2, run_dtype)
+        model.native = native
+        cache = KVSlots(model.config, slots=4, max_len=64, device="cpu", dtype=run_dtype)
+        with torch.no_grad():
+            model.prefill_packed([ids[i, :n].tolist() for i, n in enumerate(lens)], cache, slot0=0)
+            pos, logits = torch.tensor(lens), []
+            for _ in range(6):
+                logits.append(model.decode(ids[torch.arange(4), pos], pos, cache).float())
+                pos = pos + 1
+        runs[name] = (torch.stack(logits), cache)
+    (exact, _), (plain, plain_cache), (native, native_cache) = runs["exact"], runs["torch"], runs["native"]
+    if dtype == torch.float32:
+        assert _close(native, plain)
+        assert _close(native_cache.k, plain_cache.k) and _close(native_cache.v, plain_cache.v)
+    else:  # both round to bf16 between ops, at different points: as close to fp32 as the torch path is
+        err_native, err_plain = (native - exact).abs().mean().item(), (plain - exact).abs().mean().item()
+        assert err_native <= 1.5 * err_plain + 1e-3
+        assert (native.argmax(-1) == exact.argmax(-1)).float().mean().item() >= 0.9
+
+
+@needs_native
+def test_native_norm_and_swiglu_follow_the_reference_formulas():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 64, generator=gen) * 3
+    delta = torch.randn(5, 64, generator=gen)
+    w = torch.rand(64, generator=gen) + 0.5
+    gate_up = torch.randn(5, 96, generator=gen) * 4
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
+        xs, ds, ws, gs = (t.to(dtype) for t in (x, delta, w, gate_up))
+        summed = xs + ds
+        h = summed.float()
+        ref = ws * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+        inplace = xs.clone()
+        got = NATIVE.add_rms_norm(inplace, ds, ws, 1e-6)
+        assert torch.equal(inplace, summed)  # the residual add happened in place, in x's dtype
+        assert torch.allclose(got.float(), ref.float(), rtol=tol, atol=tol)
+        assert torch.allclose(
+            NATIVE.add_rms_norm(xs.clone(), None, ws, 1e-6).float(),
+            (
+                ws * (xs.float() * torch.rsqrt(xs.float().pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+            ).float(),
+            rtol=tol,
+            atol=tol,
+        )
+        gate, up = gs.chunk(2, dim=-1)
+        assert torch.allclose(NATIVE.silu_mul(gs).float(), (F.silu(gate) * up).float(), rtol=tol, atol=tol)
+
+
+@needs_native
+def test_engine_with_and_without_native_kernels_generates_the_same(debug_model_dir):
+    prompts = _prompts(6, seed=3)
+    runs = []
+    for native in (True, False):
+        engine = GenerationEngine(
+            CausalLM.from_pretrained(debug_model_dir),
+            kv_budget_tokens=4096,
+            max_batch=4,
+            native_kernels=native,
+        )
+        assert engine.native_kernels is native
+        runs.append(engine.generate(_reqs(prompts)))
+    for a, b in zip(*runs):
+        assert a.generated_ids == b.generated_ids
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4)
+
+
+def test_bf16_greedy_matches_fp32_on_most_positions(debug_model_dir):
+    prompts = _prompts(8, seed=4)
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        engine = GenerationEngine(
+            CausalLM.from_pretrained(debug_model_dir), kv_budget_tokens=4096, max_batch=8, dtype=dtype
+        )
+        assert engine.dtype == dtype
+        out[dtype] = engine.generate(_reqs(prompts))
+    pairs = [
+        (a, b)
+        for fa, fb in zip(out[torch.float32], out[torch.bfloat16])
+        for a, b in zip(fa.generated_ids, fb.generated_ids)
+    ]
+    assert len(pairs) == 8 * 40
+    assert sum(a == b for a, b in pairs) / len(pairs) >= 0.9
+    for r in out[torch.bfloat16]:  # sampling and log-probs stay fp32, computed from the bf16 logits
+        assert all(lp <= 0.0 for lp in r.logprobs) and isinstance(r.logprobs[0], float)
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
+def test_bf16_abort_then_resume_on_another_engine_is_identical(debug_model_dir, native):
+    if native and NATIVE is None:
+        pytest.skip("native kernels do not build here")
+
+    def engine(max_batch):
+        return GenerationEngine(
+            CausalLM.from_pretrained(debug_model_dir),
+            kv_budget_tokens=4096,
+            max_batch=max_batch,
+            dtype=torch.bfloat16,
+            native_kernels=native,
+        )
+
+    prompts = _prompts(6, seed=1)
+    reference = engine(8).generate(_reqs(prompts))
+    first = engine(4)  # 4 run, 2 wait: abort mid-batch while others keep going
+    for r in _reqs(prompts):
+        first.add(r)
+    for _ in range(7):
+        first.step()
+    partials = first.abort(["s1", "s3", "s5"])
+    assert {len(p.generated_ids) for p in partials} == {7, 0}
+    finished = {}
+    while first.has_work():
+        finished.update({r.seq_id: r for r in first.step()})
+    second = engine(3)  # others already running there
+    for r in _reqs(_prompts(2, seed=9), prefix="other"):
+        second.add(r)
+    second.step()
+    finished.update({r.seq_id: r for r in second.generate([p.as_request(GREEDY) for p in partials])})
+    for ref in reference:
+        got = finished[ref.seq_id]
+        assert got.generated_ids == ref.generated_ids, ref.seq_id
+        # bf16 logits: the resumed prefix is recomputed by prefill, so its log-probs match to bf16 precision
+        assert torch.allclose(torch.tensor(got.logprobs), torch.tensor(ref.logprobs), atol=5e-2)
+
+
+def test_native_kernels_switched_off_fall_back_to_torch_ops(monkeypatch, debug_model_dir):
+    monkeypatch.setenv("PIVOTRL_NATIVE_KERNELS", "0")
+    assert kernels.native() is None
+    engine = GenerationEngine(CausalLM.from_pretrained(debug_model_dir), kv_budget_tokens=1024, max_batch=2)
+    assert engine.native_kernels is False and engine.model.native is None
+    out = engine.generate(_reqs(_prompts(2, seed=5)))
+    assert [len(r.generated_ids) for r in out] == [40, 40]
