@@ -241,7 +241,9 @@ class GenerationEngine(RequestBook):
         # oneDNN-prepacked weights on CPU (fp32): faster decode matmuls; refreshed when weights change.
         self.packed = self.model.pack_for_inference(pack_weights)
         # The fused native decode kernels (`kernels.py`) where they build; else the same math in torch ops.
-        self.model.native = kernels.native() if native_kernels else None
+        # CPU kernels: a CUDA engine neither needs nor builds them.
+        cpu = torch.device(self.device).type == "cpu"
+        self.model.native = kernels.native() if native_kernels and cpu else None
         self.native_kernels = self.model.native is not None
         self.kv_budget_tokens = kv_budget_tokens
         self.max_batch = max_batch
