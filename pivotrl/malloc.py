@@ -5,7 +5,8 @@ milliseconds. With glibc's defaults (allocations above 128 KiB mmap'd, the heap 
 64 KiB trim threshold Dask's nanny sets for its workers so that idle workers hand memory back, every step
 page-faults those buffers in again. Measured on the paradigms workload (debug models, 2 CPU workers):
 ~85,000 minor page faults per second per worker and ~40 % of each worker's CPU time in the kernel; with the
-settings below ~1,000/s and the whole pipeline ~30 % faster. Engines manage their own memory (KV caches are
+settings below ~2,000/s (and, in one back-to-back pair of colocated runs on a shared box, ~1,870 -> ~2,440
+tokens/s per device). Engines manage their own memory (KV caches are
 preallocated), so holding on to freed memory is what a device process wants.
 """
 

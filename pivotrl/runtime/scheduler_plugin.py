@@ -342,7 +342,8 @@ class PivotSchedulerPlugin(SchedulerPlugin):
 
     def _deferred_tick(self) -> None:
         self._event_tick_pending = False
-        self._tick_on_event()
+        if self._task is not None and not self._task.done():  # not after `close`
+            self._tick_on_event()
 
     def _role_drained(self, roles: set[str]) -> bool:
         """Has one of `roles` no item left waiting, assigned or running?"""
