@@ -472,24 +472,14 @@ class CausalLM(nn.Module):
         cos, sin = self._rope(positions[None], x.dtype)
         cos, sin = cos[0], sin[0]  # [1, T, D]: broadcast over heads
         last = torch.tensor([s + n - 1 for s, n in spans], device=dev)
-        if not self._native_ok(positions, x.dtype):
-            for i, layer in enumerate(self.model.layers):
-                x = x + layer.self_attn.prefill_packed(
-                    layer.input_layernorm(x), cos, sin, cache, i, (slots, positions), spans
-                )
-                x = x + layer.mlp(layer.post_attention_layernorm(x))
-            return linear(self.lm_head, self.model.norm(x[last]))
-        native, delta = self.native, None  # as in `decode`: fused residual add + norm, fused SwiGLU
-        for i, layer in enumerate(self.model.layers):
-            norm = layer.input_layernorm
-            h = native.add_rms_norm(x, delta, norm.weight, norm.eps)
-            attn = layer.self_attn.prefill_packed(h, cos, sin, cache, i, (slots, positions), spans)
-            norm = layer.post_attention_layernorm
-            h = native.add_rms_norm(x, attn, norm.weight, norm.eps)
-            delta = linear(layer.mlp.down_proj, native.silu_mul(layer.mlp.gate_up(h)))
-        x = x[last]
-        norm = self.model.norm
-        return linear(self.lm_head, native.add_rms_norm(x, delta[last], norm.weight, norm.eps))
+        native = self.native if self._native_ok(positions, x.dtype) else None
+        where = (slots, positions)
+        return self._blocks(
+            x,
+            lambda i, h: self.model.layers[i].self_attn.prefill_packed(h, cos, sin, cache, i, where, spans),
+            native,
+            last,
+        )
 
     def decode_step(self, lens: torch.Tensor, span: int, cache: KVSlots, dtype: torch.dtype) -> DecodeStep:
         """What every layer of one decode step shares, built once: see `DecodeStep`."""
@@ -528,23 +518,37 @@ class CausalLM(nn.Module):
         span = int(lens.max()) + 1 if span is None else span
         x = self.model.embed_tokens(tokens)
         step = self.decode_step(lens, span, cache, x.dtype)
-        if step.kernel is None:
-            for i, layer in enumerate(self.model.layers):
-                x.add_(layer.self_attn.decode(layer.input_layernorm(x), step, cache, i))
+        native = self.native if step.kernel is not None else None
+        return self._blocks(x, lambda i, h: self.model.layers[i].self_attn.decode(h, step, cache, i), native)
+
+    def _blocks(
+        self,
+        x: torch.Tensor,
+        attend: Callable[[int, torch.Tensor], torch.Tensor],
+        native: object | None,
+        last: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The engine paths' pass through every block and the head: x [N, hidden] (updated in place, so
+        no-grad only), `attend(i, h)` layer i's attention on its normed input; logits at rows `last` (all
+        rows if None). With `native`, each residual add is fused with the norm that follows it and SwiGLU
+        is one call; otherwise the same math in torch ops."""
+        layers, final = self.model.layers, self.model.norm
+        if native is None:
+            for i, layer in enumerate(layers):
+                x.add_(attend(i, layer.input_layernorm(x)))
                 x.add_(layer.mlp(layer.post_attention_layernorm(x)))
-            return linear(self.lm_head, self.model.norm(x))
-        # Native: each residual add is fused with the norm that follows it, and SwiGLU is one call.
-        native, delta = self.native, None
-        for i, layer in enumerate(self.model.layers):
+            return linear(self.lm_head, final(x if last is None else x[last]))
+        delta = None
+        for i, layer in enumerate(layers):
             norm = layer.input_layernorm
             h = native.add_rms_norm(x, delta, norm.weight, norm.eps)
-            attn = layer.self_attn.decode(h, step, cache, i)
+            attn = attend(i, h)
             norm = layer.post_attention_layernorm
             h = native.add_rms_norm(x, attn, norm.weight, norm.eps)
-            mlp = layer.mlp
-            delta = linear(mlp.down_proj, native.silu_mul(mlp.gate_up(h)))
-        norm = self.model.norm
-        return linear(self.lm_head, native.add_rms_norm(x, delta, norm.weight, norm.eps))
+            delta = linear(layer.mlp.down_proj, native.silu_mul(layer.mlp.gate_up(h)))
+        if last is not None:
+            x, delta = x[last], delta[last]
+        return linear(self.lm_head, native.add_rms_norm(x, delta, final.weight, final.eps))
 
     def _native_ok(self, lens: torch.Tensor, dtype: torch.dtype) -> bool:
         return (
