@@ -459,7 +459,7 @@ def plan_for(state: ClusterState, costs: ShiftCostModel, views: dict[Role, RoleV
     # u's own gain: its work over H, or, when u is all that is left of the iteration (every other role done),
     # the iteration ending sooner (`drain_value`) if that is worth more.
     last = all(v.done for r, v in views.items() if r is not u)
-    shift_s = max(costs.duration(p.role, u) for p, _, _ in layers)
+    shift_s = max(costs.duration(p.role, u) for p, _, _ in layers) if last else 0.0
 
     def u_gain(x: np.ndarray) -> np.ndarray:
         g = vu.processed_many(vu.replicas + x // vu.g) - vu.processed(vu.replicas)
