@@ -8,12 +8,13 @@ resume that partial sequence on *another* device. This engine does exactly that:
   budget), prefills them in one batch packed back to back (no padding: prompts are long-tailed), decodes
   one token for every sequence already running, and samples all rows at once. A finished sequence leaves
   in the same step and its slot is reused.
-* **Fast decode.** Weights oneDNN-prepacked on CPU (fp32, and bf16 where the CPU has native bf16), fused
-  q/k/v and gate/up matmuls, and native fused kernels for the rest of the step (`kernels.py`; built on
-  first use, torch ops where they cannot build). `dtype=torch.bfloat16` casts the weights once at build;
+* **Fast decode.** Weights packed once on CPU (bf16 for the native AVX512-BF16 matmul, otherwise for
+  oneDNN), fused q/k/v and gate/up matmuls, and native fused kernels for the rest of the step
+  (`kernels.py`; built on first use, torch ops where they cannot build); weights and KV cache on huge
+  pages where the kernel allows (`malloc.huge_pages`). `dtype=torch.bfloat16` casts the weights once at build;
   sampling and log-probs stay fp32, computed from the logits. fp32 is the default.
-* **KV cache.** One pre-allocated slot cache, read as `[layers, max_batch, kv_heads, cap, head_dim]` (see
-  `model.KVSlots`; keys are stored transposed underneath). Running sequences are kept compact in slots
+* **KV cache.** One pre-allocated slot cache, `[layers, 2, max_batch, kv_heads, cap, head_dim]` (see
+  `model.KVSlots`; keys in transposed blocks of 16 positions). Running sequences are kept compact in slots
   0..B-1 (a finished row is replaced by the last row), so decode attends to a plain view, never a gather.
   `cap` starts small and doubles when a sequence needs more room — a rare, amortised copy, never a
   per-step reallocation.
@@ -238,13 +239,14 @@ class GenerationEngine(RequestBook):
             self.model.to(dtype)
         self.config = model.config
         self.dtype = next(self.model.parameters()).dtype
-        # oneDNN-prepacked weights on CPU (fp32): faster decode matmuls; refreshed when weights change.
-        self.packed = self.model.pack_for_inference(pack_weights)
         # The fused native decode kernels (`kernels.py`) where they build; else the same math in torch ops.
         # CPU kernels: a CUDA engine neither needs nor builds them.
         cpu = torch.device(self.device).type == "cpu"
         self.model.native = kernels.native() if native_kernels and cpu else None
         self.native_kernels = self.model.native is not None
+        # Weights packed once on CPU (`model.PackedWeight`: the native bf16 matmul, else oneDNN): faster
+        # decode matmuls; refreshed when weights change.
+        self.packed = self.model.pack_for_inference(pack_weights)
         self.kv_budget_tokens = kv_budget_tokens
         self.max_batch = max_batch
         pos_limit = int(getattr(self.config, "max_position_embeddings", 1 << 30))
@@ -343,6 +345,8 @@ class GenerationEngine(RequestBook):
         """Swap weights in place (a new policy version). Running sequences keep their cached KV."""
         self._check_live()
         self.model.load_state_dict(state_dict)
+        if self.packed:
+            self.model.repack()
 
     def offload(self) -> list[GenResult]:
         """Abort all, free the KV cache and weights; returns the partials. The engine is dead after."""
@@ -411,11 +415,7 @@ class GenerationEngine(RequestBook):
         while cap < length:
             cap *= 2
         cap = min(cap, self.max_seq_len)
-        bigger = KVSlots(self.config, cache.slots, cap, self.device, self.dtype)
-        n = len(self.running)
-        bigger.k[:, :n, :, : cache.max_len] = cache.k[:, :n]
-        bigger.v[:, :n, :, : cache.max_len] = cache.v[:, :n]
-        self.cache = bigger
+        self.cache = cache.grown(cap, len(self.running))
 
     def _prefill(self, row0: int, reqs: list[GenRequest]) -> torch.Tensor:
         seqs = [r.prompt_ids + r.generated_ids for r in reqs]
@@ -518,10 +518,7 @@ class GenerationEngine(RequestBook):
     def _move_rows(self, src: list[int], dst: list[int]) -> None:
         s = torch.tensor(src, dtype=torch.long, device=self.device)
         d = torch.tensor(dst, dtype=torch.long, device=self.device)
-        span = int(self.lens[s].max())
-        cache = self.cache
-        cache.k[:, d, :, :span] = cache.k[:, s, :, :span]
-        cache.v[:, d, :, :span] = cache.v[:, s, :, :span]
+        self.cache.copy_slots(s, d, int(self.lens[s].max()))
         for t in (
             self.lens,
             self.last_tok,

@@ -18,7 +18,7 @@ import threading
 from pathlib import Path
 
 log = logging.getLogger(__name__)
-_SOURCE = Path(__file__).with_name("csrc") / "decode_attention.cpp"
+_SOURCES = [Path(__file__).with_name("csrc") / name for name in ("decode_attention.cpp", "linear_bf16.cpp")]
 _lock = threading.Lock()
 _loaded: dict[str, object] = {}
 
@@ -35,9 +35,8 @@ def _build() -> object | None:
         # shared by machines of different CPUs should set PIVOTRL_NATIVE_KERNELS=0 or its own
         # TORCH_EXTENSIONS_DIR.
         flags = ["-O3", "-march=native"]
-        return load(
-            name="pivotrl_decode_attention", sources=[str(_SOURCE)], extra_cflags=flags, verbose=False
-        )
+        sources = [str(p) for p in _SOURCES]
+        return load(name="pivotrl_decode_attention", sources=sources, extra_cflags=flags, verbose=False)
     except Exception as exc:  # no compiler / ninja / headers: the torch path is used instead
         log.warning(
             "pivotrl native decode kernel unavailable (%s: %s); using torch ops", type(exc).__name__, exc

@@ -11,9 +11,9 @@ SwiGLU MLP, pre-norm residuals, final RMSNorm, lm_head tied to the embedding whe
 
 Engine paths: `prefill_packed` runs new sequences back to back without padding; `decode` runs one token
 per running sequence, through the native fused kernels (`kernels.py`: attention, add+norm, SwiGLU) when an
-engine switched them on, else through the same math in torch ops. Both work in fp32 and bf16 (CPU bf16
-matmuls are oneDNN-prepacked like fp32 ones); `tests/engines/test_decode_paths.py` checks every path
-against the plain forward.
+engine switched them on, else through the same math in torch ops. Both work in fp32 and bf16 (CPU weights
+are packed once, `PackedWeight`: bf16 ones for the native bf16 matmul where it is built, the others for
+oneDNN); `tests/engines/test_decode_paths.py` checks every path against the plain forward.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from pivotrl.malloc import huge_pages
 
 
 def _rope_theta(config) -> float:
@@ -61,44 +63,88 @@ def _can_pack() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-def _packable(dtype: torch.dtype) -> bool:
-    """Weight dtypes oneDNN prepacks on this CPU: fp32 always, bf16 where the CPU has native bf16 support
-    (avx512_bf16 / AMX; otherwise oneDNN would emulate it and the packed path is no faster)."""
+def _packable(dtype: torch.dtype, native: object | None = None) -> bool:
+    """Weight dtypes packed on this CPU (`PackedWeight`): fp32 always; bf16 where the CPU has native bf16
+    support (avx512_bf16 / AMX; otherwise oneDNN would emulate it and the packed path is no faster) or the
+    native kernels' own bf16 matmul was built."""
     if dtype == torch.float32:
+        return _can_pack()
+    if dtype != torch.bfloat16:
+        return False
+    if native is not None and bool(getattr(native, "has_linear_bf16", lambda: False)()):
         return True
-    return dtype == torch.bfloat16 and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return _can_pack() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+class PackedWeight:
+    """A Linear weight packed once for no-grad CPU calls.
+
+    bf16 with the native kernels built for AVX512-BF16 (`kernels.py`, `linear_bf16`): our own packing and
+    matmul, ~10-45 % faster than oneDNN's on decode-sized batches (no per-call primitive lookup; it also
+    prefetches the next panels of the weight while it multiplies). Otherwise oneDNN's prepacked weight.
+    """
+
+    __slots__ = ("data", "native", "out_features")
+
+    def __init__(self, w: torch.Tensor, native: object | None) -> None:
+        w = w.detach()
+        self.out_features = w.shape[0]
+        if _native_linear(native, w):
+            self.native, self.data = native, native.pack_linear_bf16(w)
+        else:
+            self.native, self.data = None, torch.ops.mkldnn._reorder_linear_weight(w, 32)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.native is not None:
+            return self.native.linear_bf16(x, self.data, bias, self.out_features)
+        return torch.ops.mkldnn._linear_pointwise(x, self.data, bias, "none", [], "")
+
+    def memory(self) -> tuple[int, int]:
+        """(address, bytes) of the packed copy."""
+        if self.native is not None:
+            return self.data.data_ptr(), self.data.numel() * self.data.element_size()
+        return torch.ops.mkldnn.data_ptr(self.data), torch.ops.mkldnn._nbytes(self.data)
+
+
+def _native_linear(native: object | None, w: torch.Tensor) -> bool:
+    return (
+        native is not None
+        and w.dtype == torch.bfloat16
+        and w.shape[1] % 2 == 0
+        and bool(getattr(native, "has_linear_bf16", lambda: False)())
+    )
 
 
 def linear(m: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """`m(x)`, through a oneDNN-prepacked weight when the module was packed and no gradient is wanted.
+    """`m(x)`, through a packed weight (`PackedWeight`) when the module was packed and no gradient is wanted.
 
     Why: for decode-sized batches on CPU, MKL re-packs the weight on every call; a weight packed once is
     15-35% faster. The packed copy is refreshed whenever the weight changes (its tensor version or storage
     moves, as on `load_state_dict`, an optimizer step or `.to()`), so a packed module never computes with
-    stale weights; a weight cast to a dtype oneDNN does not pack (see `_packable`) or moved off the CPU
+    stale weights; a weight cast to a dtype that is not packed (see `_packable`) or moved off the CPU
     drops it.
     """
     packed = m.__dict__.get("_packed")
     if packed is None or torch.is_grad_enabled() or x.device.type != "cpu":
         return m(x)
     w = m.weight
-    if w.device.type != "cpu" or not _packable(w.dtype):  # moved or cast (`.to()`) out of packing's reach
+    if w.device.type != "cpu" or not _packable(w.dtype, packed[0].native):  # moved or cast out of reach
         m.__dict__.pop("_packed", None)
         return m(x)
-    if packed[1] is not w or packed[2] != w._version or packed[3] != w.data_ptr() or packed[4] != w.dtype:
-        packed = _pack(m)
-    return torch.ops.mkldnn._linear_pointwise(x, packed[0], m.bias, "none", [], "")
+    return _current_pack(m, packed)[0](x, m.bias)
 
 
-def _pack(m: nn.Linear, batch_hint: int = 32):
+def _current_pack(m: nn.Linear, packed: tuple) -> tuple:
+    """`m`'s packed weight `packed`, re-packed first if the weight changed since."""
     w = m.weight
-    packed = (
-        torch.ops.mkldnn._reorder_linear_weight(w.detach(), batch_hint),
-        w,
-        w._version,
-        w.data_ptr(),
-        w.dtype,
-    )
+    if packed[1] is not w or packed[2] != w._version or packed[3] != w.data_ptr() or packed[4] != w.dtype:
+        return _pack(m, packed[0].native)
+    return packed
+
+
+def _pack(m: nn.Linear, native: object | None) -> tuple:
+    w = m.weight
+    packed = (PackedWeight(w, native), w, w._version, w.data_ptr(), w.dtype)
     m.__dict__["_packed"] = packed
     return packed
 
@@ -107,7 +153,7 @@ class FusedLinear:
     """Several Linear layers that read the same input, as one matmul, for no-grad calls only.
 
     Why: a decode step on a small model is dominated by per-call overhead, not FLOPs; q/k/v and gate/up
-    each become one call (and one oneDNN-packed weight on CPU fp32/bf16). The fused copy is rebuilt
+    each become one call (and one packed weight on CPU fp32/bf16, `PackedWeight`). The fused copy is rebuilt
     whenever any part's weight changes (its storage or tensor version moves, as on `load_state_dict`, an
     optimizer step or `.to()`), so it never computes with stale weights. Not an `nn.Module`: it owns no
     parameters and never appears in the state dict.
@@ -118,6 +164,7 @@ class FusedLinear:
         self.sizes = [m.out_features for m in parts]
         self._state: tuple | None = None
         self.pack = False
+        self.native: object | None = None  # the native kernels' module, for `PackedWeight`
         # Off until an inference engine asks (`CausalLM.pack_for_inference`): a trainer's no-grad passes
         # (old/reference log-probs) keep the per-layer path and never pay for a fused copy of the weights.
         self.enabled = False
@@ -134,22 +181,53 @@ class FusedLinear:
         else:
             b = None
         packed = None
-        if self.pack and w.device.type == "cpu" and _packable(w.dtype) and _can_pack():
-            packed = torch.ops.mkldnn._reorder_linear_weight(w, 32)
+        if self.pack and w.device.type == "cpu" and _packable(w.dtype, self.native):
+            packed = PackedWeight(w, self.native)
+            if packed.native is not None and b is not None:
+                b = b.float()  # what linear_bf16 adds; converted once here rather than per call
             w = None  # the packed copy is all a CPU call needs
         self._state = (key, w, b, packed)
         return self._state
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def current(self) -> tuple:
+        """(key, weight, bias, packed weight) for the parts' current weights, rebuilt if they changed."""
         key = self._key()
-        state = self._state if self._state is not None and self._state[0] == key else self._build(key)
-        _, w, b, packed = state
+        return self._state if self._state is not None and self._state[0] == key else self._build(key)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        _, w, b, packed = self.current()
         if packed is not None:  # only built for CPU weights, hence a CPU input
-            return torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
+            return packed(x, b)
         return F.linear(x, w, b)
 
     def clear(self) -> None:
         self._state = None
+
+
+class _PackedMatmul:
+    """A packed weight with its bias bound, as the native loop calls it (see `CausalLM._plan`)."""
+
+    __slots__ = ("bias", "packed")
+
+    def __init__(self, packed: PackedWeight, bias: torch.Tensor | None) -> None:
+        self.packed = packed
+        # linear_bf16 adds an fp32 bias: converted once here rather than per call
+        self.bias = bias.detach().float() if bias is not None and packed.native is not None else bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.packed(x, self.bias)
+
+
+def _bound(m: nn.Linear | FusedLinear) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`m` as a one-argument matmul: its current packed weight bound to its bias where it is packed, else
+    a call that resolves the module each time."""
+    if isinstance(m, FusedLinear):
+        _, _, bias, packed = m.current() if m.enabled else (None, None, None, None)
+        return _PackedMatmul(packed, bias) if packed is not None else m
+    packed = m.__dict__.get("_packed")
+    if packed is not None and m.weight.device.type == "cpu" and _packable(m.weight.dtype, packed[0].native):
+        return _PackedMatmul(_current_pack(m, packed)[0], m.bias)
+    return lambda x: linear(m, x)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -218,14 +296,23 @@ class Attention(nn.Module):
         """Causal self-attention over `x` alone; with `cache`, also store k/v at slots slot0.. (prefill)."""
         q, k, v = self._qkv(x, cos, sin)
         if cache is not None:
-            n, _, t, _ = k.shape
-            cache.k[layer, slot0 : slot0 + n, :, :t] = k
-            cache.v[layer, slot0 : slot0 + n, :, :t] = v
+            n, kv, t, d = k.shape
+            slots = torch.arange(slot0, slot0 + n, device=k.device).repeat_interleave(t)
+            positions = torch.arange(t, device=k.device).repeat(n)
+            cache.store(
+                layer,
+                slots,
+                positions,
+                k.transpose(1, 2).reshape(n * t, kv, d),
+                v.transpose(1, 2).reshape(n * t, kv, d),
+            )
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv != self.n_heads)
         return self._out(y)
 
-    def decode(self, x: torch.Tensor, step: DecodeStep, cache: KVSlots, layer: int) -> torch.Tensor:
-        """One new token per sequence in slots 0..B-1 (x: [B, hidden]); attends to the cached prefix.
+    def decode(self, qkv: torch.Tensor, step: DecodeStep, cache: KVSlots, layer: int) -> torch.Tensor:
+        """One new token per sequence in slots 0..B-1 (qkv: [B, (heads + 2 kv_heads) * head_dim], the fused
+        q|k|v projection of the normed input); attends to the cached prefix. Returns the attention output
+        [B, heads * head_dim] before o_proj (the caller owns the matmuls, see `CausalLM._blocks`).
 
         Everything that is the same for all layers (rotary rows, positions, length bias) is in `step`,
         built once per step. With the native kernel (`step.kernel`), RoPE, the KV store and attention are
@@ -234,37 +321,34 @@ class Attention(nn.Module):
         kernel, no repeat of the kv heads); the 1/sqrt(head_dim) scale is folded into q's rotary rows and the
         length bias into the first matmul. Both compute the same thing (tested).
         """
-        b, d, h, kv = x.shape[0], self.head_dim, self.n_heads, self.n_kv
+        b, d, h, kv = qkv.shape[0], self.head_dim, self.n_heads, self.n_kv
         if step.kernel is not None:
-            y = step.kernel(self.qkv(x), step.cos, step.sin, cache.kv[layer], step.lens, h, d**-0.5)
-            return linear(self.o_proj, y)
-        t = self.qkv(x).view(b, h + 2 * kv, d)
+            return step.kernel(qkv, step.cos, step.sin, cache.kv[layer], step.lens, h, d**-0.5)
+        t = qkv.view(b, h + 2 * kv, d)
         half = d // 2
         r = t * step.cos
         r.addcmul_(torch.cat((t[..., half:], t[..., :half]), dim=-1), step.sin)
         cache.store(layer, cache.rows[:b], step.lens, r[:, h : h + kv], r[:, h + kv :])
         span = step.span
-        keys_t = cache.k[layer, :b, :, :span].reshape(b * kv, span, d).transpose(1, 2)  # row-major [D, span]
+        keys_t = cache.keys(layer, b, span).reshape(b * kv, span, d).transpose(1, 2)
         values = cache.v[layer, :b, :, :span].reshape(b * kv, span, d)
         if keys_t.dtype != torch.float32:
             # Reduced-precision bmm on CPU copies a strided operand internally, and slower than this does.
             keys_t, values = keys_t.contiguous(), values.contiguous()
         scores = torch.baddbmm(step.bias, r[:, :h].reshape(b * kv, h // kv, d), keys_t)
-        y = torch.bmm(torch.softmax(scores, dim=-1), values)
-        return linear(self.o_proj, y.view(b, h * d))
+        return torch.bmm(torch.softmax(scores, dim=-1), values).view(b, h * d)
 
-    def prefill_packed(
-        self, x: torch.Tensor, cos, sin, cache: KVSlots, layer: int, where: tuple, spans
-    ) -> torch.Tensor:
-        """Several sequences packed back to back in x [T, hidden] (no padding): causal attention within
-        each `spans` (start, length); token t's keys/values go to cache slot where[0][t], position
-        where[1][t]."""
-        t, d, h, kv = x.shape[0], self.head_dim, self.n_heads, self.n_kv
-        qkv = (
-            self.qkv(x)
-            if self.qkv.enabled
-            else torch.cat([linear(self.q_proj, x), linear(self.k_proj, x), linear(self.v_proj, x)], dim=-1)
-        )
+    def project_qkv(self, x: torch.Tensor) -> torch.Tensor:
+        """q|k|v of x [N, hidden] as one [N, (heads + 2 kv_heads) * head_dim] tensor."""
+        if self.qkv.enabled:
+            return self.qkv(x)
+        return torch.cat([linear(self.q_proj, x), linear(self.k_proj, x), linear(self.v_proj, x)], dim=-1)
+
+    def prefill_packed(self, qkv: torch.Tensor, cos, sin, cache: KVSlots, layer: int, where: tuple, spans):
+        """Several sequences packed back to back, qkv [T, (heads + 2 kv_heads) * head_dim] (no padding):
+        causal attention within each `spans` (start, length); token t's keys/values go to cache slot
+        where[0][t], position where[1][t]. Returns [T, heads * head_dim] before o_proj."""
+        t, d, h, kv = qkv.shape[0], self.head_dim, self.n_heads, self.n_kv
         heads = qkv.view(t, h + 2 * kv, d).transpose(0, 1)  # [heads, T, D]
         q = apply_rope(heads[:h], cos, sin)
         k = apply_rope(heads[h : h + kv], cos, sin)
@@ -277,7 +361,7 @@ class Attention(nn.Module):
             y[:, part] = F.scaled_dot_product_attention(
                 q[None, :, part], k[None, :, part], v[None, :, part], is_causal=True, enable_gqa=gqa
             )[0]
-        return linear(self.o_proj, y.transpose(0, 1).reshape(t, h * d))
+        return y.transpose(0, 1).reshape(t, h * d)
 
 
 class MLP(nn.Module):
@@ -316,21 +400,33 @@ class Backbone(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
+KEY_BLOCK = 16  # positions per key block of the cache (one AVX-512 vector of fp32 scores)
+
+
 class KVSlots:
-    """Pre-allocated KV cache, read through `k`, `v`: [layers, slots, kv_heads, max_len, head_dim] views.
+    """Pre-allocated KV cache: [layers, 2 (keys, values), slots, kv_heads, max_len, head_dim] in ONE buffer.
 
     Allocated once per engine; a sequence owns one slot for its lifetime on the engine, and the running
     sequences are kept compact in slots 0..B-1 so decode attends to a plain view, never a gather.
-    Both live in ONE buffer `kv` [layers, 2, slots, kv_heads, max_len, head_dim] (keys, then values), and
-    each key head block holds its keys TRANSPOSED ([head_dim, max_len] in memory; `k` hides that): decode
-    scores are then q times a row-major matrix, which the native kernel (`kernels.py`) reads 16 positions
-    per vector load, and `kv[layer]` is the one contiguous block it takes per layer.
+    Values are stored [max_len, head_dim] per head. Keys are stored in blocks of `KEY_BLOCK` positions, each
+    block TRANSPOSED ([head_dim, KEY_BLOCK] in memory): decode scores are then q times row-major 16-wide
+    rows, which the native kernel (`kernels.py`) reads one vector load each, and a sequence's first n keys
+    are ONE contiguous run of memory (ceil(n / 16) blocks), which the hardware prefetcher streams; a plain
+    [head_dim, max_len] transpose splits them into head_dim short runs that it does not foresee, and decode
+    attention waited on memory. Either way the first n positions of a head occupy the first
+    round_up(n, 16) x head_dim elements of its block, so copies of a prefix (`copy_slots`, `grown`) are the
+    same for keys and values. `kv[layer]` is the one contiguous block the kernel takes per layer.
     """
 
     def __init__(self, config, slots: int, max_len: int, device, dtype) -> None:
         kv_heads, d, layers = config.num_key_value_heads, _head_dim(config), config.num_hidden_layers
+        max_len = _round_up(max_len, KEY_BLOCK)
         self.kv = torch.zeros((layers, 2, slots, kv_heads, max_len, d), device=device, dtype=dtype)
-        self.k = self.kv[:, 0].view(layers, slots, kv_heads, d, max_len).transpose(-1, -2)
+        if self.kv.device.type == "cpu":
+            huge_pages([(self.kv.data_ptr(), self.kv.numel() * self.kv.element_size())])
+        blocks = max_len // KEY_BLOCK
+        # [layers, slots, kv_heads, blocks, KEY_BLOCK (position in block), head_dim]: a strided view.
+        self.k_blocks = self.kv[:, 0].view(layers, slots, kv_heads, blocks, d, KEY_BLOCK).transpose(-1, -2)
         self.v = self.kv[:, 1]
         self.rows = torch.arange(slots, device=device)
         self.heads = torch.arange(kv_heads, device=device)
@@ -338,17 +434,43 @@ class KVSlots:
 
     def store(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k, v) -> None:
         """Write k, v [N, kv_heads, head_dim] of N tokens at (slots[n], positions[n]) in `layer`."""
-        where = (slots[:, None], self.heads[None, :], positions[:, None])
-        self.k[layer].index_put_(where, k)
-        self.v[layer].index_put_(where, v)
+        heads, pos = self.heads[None, :], positions[:, None]
+        self.k_blocks[layer].index_put_((slots[:, None], heads, pos // KEY_BLOCK, pos % KEY_BLOCK), k)
+        self.v[layer].index_put_((slots[:, None], heads, pos), v)
 
-    def move(self, src: int, dst: int, length: int) -> None:
-        """Copy slot `src`'s first `length` positions into slot `dst` (compaction after a finish)."""
-        self.k[:, dst, :, :length] = self.k[:, src, :, :length]
-        self.v[:, dst, :, :length] = self.v[:, src, :, :length]
+    def keys(self, layer: int, n: int, span: int) -> torch.Tensor:
+        """Keys of slots 0..n-1 at positions 0..span-1 as [n, kv_heads, span, head_dim] (a copy)."""
+        blocks = -(-span // KEY_BLOCK)
+        k = self.k_blocks[layer, :n, :, :blocks]
+        return k.reshape(n, self.kv_heads, blocks * KEY_BLOCK, -1)[:, :, :span]
+
+    def copy_slots(self, src, dst, length: int) -> None:
+        """Copy the first `length` positions of slots `src` into slots `dst` (ints or index lists)."""
+        end = _round_up(length, KEY_BLOCK)
+        self.kv[:, :, dst, :, :end] = self.kv[:, :, src, :, :end]
+
+    def grown(self, max_len: int, n: int) -> KVSlots:
+        """A longer cache holding slots 0..n-1 of this one."""
+        shape = _CacheShape(self.kv.shape[0], self.kv_heads, self.kv.shape[-1])
+        bigger = KVSlots(shape, self.slots, max_len, self.kv.device, self.kv.dtype)
+        bigger.kv[:, :, :n, :, : self.max_len] = self.kv[:, :, :n]
+        return bigger
 
     def nbytes(self) -> int:
         return self.kv.numel() * self.kv.element_size()
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class _CacheShape:
+    """The three config fields `KVSlots` reads, for a cache built from another one."""
+
+    num_hidden_layers: int
+    num_key_value_heads: int
+    head_dim: int
 
 
 class CausalLM(nn.Module):
@@ -390,7 +512,8 @@ class CausalLM(nn.Module):
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     def pack_for_inference(self, enable: bool = True) -> bool:
-        """Prepack the inference weights for fast CPU calls (oneDNN); returns whether packing is on.
+        """Prepack the inference weights for fast CPU calls (`PackedWeight`: the native bf16 matmul when
+        `self.native` is set and has it, else oneDNN); returns whether packing is on.
 
         Also switches no-grad calls to the fused q/k/v and gate/up matmuls (see `FusedLinear`; on CPU fp32
         bf16 packed fused, o/down/lm_head packed each on their own). Costs one extra copy of the weights; only
@@ -403,15 +526,36 @@ class CausalLM(nn.Module):
         enable = enable and _can_pack() and self.lm_head.weight.device.type == "cpu"
         in_fused = {id(p) for f in fused for p in f.parts}
         for f in fused:
-            f.pack = enable
-            f.clear()
+            if (f.pack, f.native) != (enable, self.native):  # a copy packed the same way is kept
+                f.pack, f.native = enable, self.native
+                f.clear()
         for m in self.modules():
             if isinstance(m, nn.Linear):
-                if enable and _packable(m.weight.dtype) and id(m) not in in_fused:
-                    _pack(m)
+                if enable and _packable(m.weight.dtype, self.native) and id(m) not in in_fused:
+                    old = m.__dict__.get("_packed")
+                    if old is None or old[0].native is not (
+                        self.native if _native_linear(self.native, m.weight) else None
+                    ):
+                        _pack(m, self.native)  # else kept: `repack` below refreshes it if the weight changed
                 else:
                     m.__dict__.pop("_packed", None)
+        if enable:
+            self.repack()
         return enable
+
+    def repack(self) -> None:
+        """Bring every packed and fused weight copy up to date now (rather than at its next call) and back
+        them with huge pages (`malloc.huge_pages`): a decode step reads them all. After new weights."""
+        packed = []
+        for m in self.modules():
+            for f in vars(m).values():
+                if isinstance(f, FusedLinear) and f.enabled:
+                    state = f.current()
+                    if state[3] is not None:
+                        packed.append(state[3])
+            if isinstance(m, nn.Linear) and "_packed" in m.__dict__:
+                packed.append(_current_pack(m, m.__dict__["_packed"])[0])
+        huge_pages([p.memory() for p in packed])
 
     # -- rotary tables ------------------------------------------------------------------------------------
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype):
@@ -476,7 +620,9 @@ class CausalLM(nn.Module):
         where = (slots, positions)
         return self._blocks(
             x,
-            lambda i, h: self.model.layers[i].self_attn.prefill_packed(h, cos, sin, cache, i, where, spans),
+            lambda i, qkv: self.model.layers[i].self_attn.prefill_packed(
+                qkv, cos, sin, cache, i, where, spans
+            ),
             native,
             last,
         )
@@ -519,7 +665,9 @@ class CausalLM(nn.Module):
         x = self.model.embed_tokens(tokens)
         step = self.decode_step(lens, span, cache, x.dtype)
         native = self.native if step.kernel is not None else None
-        return self._blocks(x, lambda i, h: self.model.layers[i].self_attn.decode(h, step, cache, i), native)
+        return self._blocks(
+            x, lambda i, qkv: self.model.layers[i].self_attn.decode(qkv, step, cache, i), native
+        )
 
     def _blocks(
         self,
@@ -529,26 +677,59 @@ class CausalLM(nn.Module):
         last: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The engine paths' pass through every block and the head: x [N, hidden] (updated in place, so
-        no-grad only), `attend(i, h)` layer i's attention on its normed input; logits at rows `last` (all
-        rows if None). With `native`, each residual add is fused with the norm that follows it and SwiGLU
-        is one call; otherwise the same math in torch ops."""
-        layers, final = self.model.layers, self.model.norm
+        no-grad only), `attend(i, qkv)` layer i's attention given its q|k|v projection, before o_proj;
+        logits at rows `last` (all rows if None). With `native`, each residual add is fused with the norm
+        that follows it, SwiGLU is one call, and the weights come from `_plan` (resolved once per weight
+        version, not per call); otherwise the same math in torch ops."""
         if native is None:
-            for i, layer in enumerate(layers):
-                x.add_(attend(i, layer.input_layernorm(x)))
+            for i, layer in enumerate(self.model.layers):
+                attn = layer.self_attn
+                x.add_(linear(attn.o_proj, attend(i, attn.project_qkv(layer.input_layernorm(x)))))
                 x.add_(layer.mlp(layer.post_attention_layernorm(x)))
-            return linear(self.lm_head, final(x if last is None else x[last]))
+            return linear(self.lm_head, self.model.norm(x if last is None else x[last]))
+        layers, (w_final, eps_final, head) = self._plan()
         delta = None
-        for i, layer in enumerate(layers):
-            norm = layer.input_layernorm
-            h = native.add_rms_norm(x, delta, norm.weight, norm.eps)
-            attn = attend(i, h)
-            norm = layer.post_attention_layernorm
-            h = native.add_rms_norm(x, attn, norm.weight, norm.eps)
-            delta = linear(layer.mlp.down_proj, native.silu_mul(layer.mlp.gate_up(h)))
+        for i, (w_in, eps_in, qkv, o_proj, w_post, eps_post, gate_up, down) in enumerate(layers):
+            h = native.add_rms_norm(x, delta, w_in, eps_in)
+            h = native.add_rms_norm(x, o_proj(attend(i, qkv(h))), w_post, eps_post)
+            delta = down(native.silu_mul(gate_up(h)))
         if last is not None:
             x, delta = x[last], delta[last]
-        return linear(self.lm_head, native.add_rms_norm(x, delta, final.weight, final.eps))
+        return head(native.add_rms_norm(x, delta, w_final, eps_final))
+
+    def _plan(self) -> tuple[list[tuple], tuple]:
+        """Per layer (input-norm weight, eps, q|k|v matmul, o_proj, post-norm weight, eps, gate|up, down) and
+        (final-norm weight, eps, lm_head): what the native loop of `_blocks` reads.
+
+        Why: resolving each packed weight per call (its freshness check, module attribute lookups) cost
+        more Python time per decode step than the norms' arithmetic. With every matmul packed, the plan is
+        built once and kept while no parameter's storage or version moves (one check per step); otherwise
+        it is rebuilt per call from the live modules.
+        """
+        cached = self.__dict__.get("_plan_cache")
+        if cached is not None:
+            params, key, plan = cached
+            if [(p.data_ptr(), p._version) for p in params] == key:
+                return plan
+        plan, packed = [], True
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            matmuls = (_bound(attn.qkv), _bound(attn.o_proj), _bound(mlp.gate_up), _bound(mlp.down_proj))
+            packed = packed and all(isinstance(m, _PackedMatmul) for m in matmuls)
+            qkv, o_proj, gate_up, down = matmuls
+            norm_in, norm_post = layer.input_layernorm, layer.post_attention_layernorm
+            plan.append(
+                (norm_in.weight, norm_in.eps, qkv, o_proj, norm_post.weight, norm_post.eps, gate_up, down)
+            )
+        head = _bound(self.lm_head)
+        packed = packed and isinstance(head, _PackedMatmul)
+        plan = (plan, (self.model.norm.weight, self.model.norm.eps, head))
+        if packed:
+            params = list({id(p): p for p in self.parameters()}.values())
+            self.__dict__["_plan_cache"] = (params, [(p.data_ptr(), p._version) for p in params], plan)
+        else:
+            self.__dict__.pop("_plan_cache", None)
+        return plan
 
     def _native_ok(self, lens: torch.Tensor, dtype: torch.dtype) -> bool:
         return (

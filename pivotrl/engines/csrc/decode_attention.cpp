@@ -4,13 +4,17 @@
 // in torch ops this is RoPE (3 ops) + a KV store + two grouped matmuls of 3-row matrices (GQA groups)
 // + softmax per layer; on CPU those small batched matmuls run far below the machine's speed and bf16 ones
 // copy their strided operands first. Here one pass per (sequence, kv head) does it all: RoPE on q and k,
-// store the new k and v in the cache, scores, softmax, weighted sum of v, accumulating in fp32. The torch
+// store the new k and v in the cache, scores, softmax, weighted sum of v, accumulating in fp32.
+// Keys are stored in blocks of kBlock positions, each block transposed ([D, kBlock]; see model.KVSlots): the
+// scores of 16 positions are 16 lanes of one vector, and a sequence's keys are one contiguous run. The torch
 // path in model.py (`Attention.decode`) computes the same thing and is used wherever this does not build.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 
 #include <cmath>
+#include <cstring>
+#include <cstdlib>
 #include <vector>
 
 #if defined(__AVX512F__) || defined(__SSE__)
@@ -18,6 +22,11 @@
 #endif
 
 namespace {
+
+constexpr int64_t kBlock = 16;  // positions per key block (model.KEY_BLOCK)
+
+// Element (d, s) of one head's blocked keys.
+inline int64_t key_index(int64_t d, int64_t s, int64_t D) { return (s / kBlock) * D * kBlock + d * kBlock + s % kBlock; }
 
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
@@ -110,16 +119,18 @@ inline void softmax_inplace(float* x, int64_t n) {
 }
 
 #if defined(__AVX512F__)
-// Scores of GN (compile-time) queries against 32 keys from s0: each key load serves every query and the
-// 2 * GN accumulators are independent (FMA latency hidden).
+// Scores of GN (compile-time) queries against the 32 keys of the two blocks from s0 (a multiple of 32):
+// each key load serves every query and the 2 * GN accumulators are independent (FMA latency hidden).
 template <typename T, int GN>
-void scores_block(const float* q, const T* kt, int64_t L, int64_t n, int64_t D, int64_t s0, float* out) {
+void scores_block(const float* q, const T* kb, int64_t n, int64_t D, int64_t s0, float* out) {
   const __mmask16 m0 = tail_mask(n - s0), m1 = tail_mask(n - s0 - 16);
+  const T* block0 = kb + (s0 / kBlock) * D * kBlock;
+  const T* block1 = block0 + D * kBlock;  // read only under a non-empty mask m1
   __m512 a0[GN], a1[GN];
   for (int j = 0; j < GN; ++j) a0[j] = a1[j] = _mm512_setzero_ps();
   for (int64_t d = 0; d < D; ++d) {
-    const T* row = kt + d * L + s0;
-    const __m512 k0 = masked_load16(row, m0), k1 = masked_load16(row + 16, m1);
+    const __m512 k0 = masked_load16(block0 + d * kBlock, m0);
+    const __m512 k1 = m1 ? masked_load16(block1 + d * kBlock, m1) : _mm512_setzero_ps();
     for (int j = 0; j < GN; ++j) {
       const __m512 w = _mm512_set1_ps(q[j * D + d]);
       a0[j] = _mm512_fmadd_ps(w, k0, a0[j]);
@@ -133,19 +144,19 @@ void scores_block(const float* q, const T* kt, int64_t L, int64_t n, int64_t D, 
 }
 #endif
 
-// Scores of the G queries (fp32, [G, D]) against keys 0..n) stored TRANSPOSED: kt[d * L + s].
+// Scores of the G queries (fp32, [G, D]) against keys 0..n) stored in transposed blocks (key_index).
 template <typename T>
-void scores_of(const float* q, const T* kt, int64_t L, int64_t n, int64_t G, int64_t D, float* out /* [G, n] */) {
+void scores_of(const float* q, const T* kb, int64_t n, int64_t G, int64_t D, float* out /* [G, n] */) {
 #if defined(__AVX512F__)
   for (int64_t g0 = 0; g0 < G; g0 += 4) {  // up to 4 queries per pass (masked tails: nothing past n is read)
     const int64_t gn = G - g0 < 4 ? G - g0 : 4;
     for (int64_t s0 = 0; s0 < n; s0 += 32) {
       const float* qg = q + g0 * D;
       float* og = out + g0 * n;
-      if (gn == 4) scores_block<T, 4>(qg, kt, L, n, D, s0, og);
-      else if (gn == 3) scores_block<T, 3>(qg, kt, L, n, D, s0, og);
-      else if (gn == 2) scores_block<T, 2>(qg, kt, L, n, D, s0, og);
-      else scores_block<T, 1>(qg, kt, L, n, D, s0, og);
+      if (gn == 4) scores_block<T, 4>(qg, kb, n, D, s0, og);
+      else if (gn == 3) scores_block<T, 3>(qg, kb, n, D, s0, og);
+      else if (gn == 2) scores_block<T, 2>(qg, kb, n, D, s0, og);
+      else scores_block<T, 1>(qg, kb, n, D, s0, og);
     }
   }
   return;
@@ -153,7 +164,7 @@ void scores_of(const float* q, const T* kt, int64_t L, int64_t n, int64_t G, int
   for (int64_t s = 0; s < n; ++s)
     for (int64_t g = 0; g < G; ++g) {
       float acc = 0.f;
-      for (int64_t d = 0; d < D; ++d) acc += q[g * D + d] * to_float(kt[d * L + s]);
+      for (int64_t d = 0; d < D; ++d) acc += q[g * D + d] * to_float(kb[key_index(d, s, D)]);
       out[g * n + s] = acc;
     }
 }
@@ -213,25 +224,38 @@ void weighted_sum(const float* p, const T* v, int64_t n, int64_t G, int64_t D, f
 template <typename T>
 void rope(const T* x, const float* cos, const float* sin, int64_t D, float scale, float* out) {
   const int64_t half = D / 2;
+#if defined(__AVX512F__)
+  if (half % 16 == 0) {
+    const __m512 sc = _mm512_set1_ps(scale);
+    for (int64_t d = 0; d < half; d += 16) {
+      const __m512 lo = load16(x + d), hi = load16(x + d + half);
+      _mm512_storeu_ps(out + d, _mm512_mul_ps(_mm512_sub_ps(_mm512_mul_ps(lo, _mm512_loadu_ps(cos + d)),
+                                                            _mm512_mul_ps(hi, _mm512_loadu_ps(sin + d))), sc));
+      _mm512_storeu_ps(out + d + half,
+                       _mm512_mul_ps(_mm512_add_ps(_mm512_mul_ps(hi, _mm512_loadu_ps(cos + d + half)),
+                                                   _mm512_mul_ps(lo, _mm512_loadu_ps(sin + d + half))), sc));
+    }
+    return;
+  }
+#endif
   for (int64_t d = 0; d < half; ++d)
     out[d] = (to_float(x[d]) * cos[d] - to_float(x[d + half]) * sin[d]) * scale;
   for (int64_t d = half; d < D; ++d)
     out[d] = (to_float(x[d]) * cos[d] + to_float(x[d - half]) * sin[d]) * scale;
 }
 
-// Ask for the next task's keys and values (into L2) while this one computes: they are many short runs
-// (one per head dimension for the transposed keys) that the hardware prefetcher does not foresee.
+// Ask for a later task's keys and values (into L2) while this one computes: two contiguous runs, the key
+// blocks and the value rows of its prefix, which then arrive while this task's arithmetic runs.
 template <typename T>
-inline void prefetch_task(const T* kv, const int64_t* lens, int64_t task, int64_t KV, int64_t D, int64_t L,
+inline void prefetch_task(const T* kv, const int64_t* lens, int64_t task, int64_t KV, int64_t D,
                           int64_t slot_stride, int64_t head_stride, int64_t kv_stride) {
 #if defined(__AVX512F__) || defined(__SSE__)
   const int64_t b = task / KV, h = task % KV, n = lens[b] + 1;
   const char* k = reinterpret_cast<const char*>(kv + b * slot_stride + h * head_stride);
   const char* v = reinterpret_cast<const char*>(kv + b * slot_stride + h * head_stride + kv_stride);
-  const int64_t row_bytes = n * static_cast<int64_t>(sizeof(T)), stride = L * static_cast<int64_t>(sizeof(T));
-  for (int64_t d = 0; d < D; ++d)
-    for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(k + d * stride + off, _MM_HINT_T1);
+  const int64_t k_bytes = ((n + kBlock - 1) / kBlock) * kBlock * D * static_cast<int64_t>(sizeof(T));
   const int64_t v_bytes = n * D * static_cast<int64_t>(sizeof(T));
+  for (int64_t off = 0; off < k_bytes; off += 64) _mm_prefetch(k + off, _MM_HINT_T1);
   for (int64_t off = 0; off < v_bytes; off += 64) _mm_prefetch(v + off, _MM_HINT_T1);
 #endif
 }
@@ -250,19 +274,25 @@ void decode_attention_impl(const T* qkv, const float* cos, const float* sin, T* 
       const float* s = sin + b * D;
       T* k = kv + b * slot_stride + h * head_stride;
       T* v = k + kv_stride;
-      if (task + 1 < end) prefetch_task<T>(kv, lens, task + 1, KV, D, L, slot_stride, head_stride, kv_stride);
+      // Two tasks ahead: one task's arithmetic (~1.5 us) is shorter than a burst of misses takes to arrive.
+      static const int PD = std::getenv("PD") ? std::atoi(std::getenv("PD")) : 2;
+      if (task == begin) for (int j = 1; j < PD; ++j) if (task + j < end)
+        prefetch_task<T>(kv, lens, task + j, KV, D, slot_stride, head_stride, kv_stride);
+      if (PD > 0 && task + PD < end) prefetch_task<T>(kv, lens, task + PD, KV, D, slot_stride, head_stride, kv_stride);
       rope(x + (H + h) * D, c, s, D, 1.f, tmp.data());
-      for (int64_t d = 0; d < D; ++d) {
-        k[d * L + pos] = static_cast<T>(tmp[d]);  // keys are stored transposed: [D, L] per head
-        v[pos * D + d] = x[(H + KV + h) * D + d];
-      }
+      for (int64_t d = 0; d < D; ++d) k[key_index(d, pos, D)] = static_cast<T>(tmp[d]);
+      std::memcpy(v + pos * D, x + (H + KV + h) * D, D * sizeof(T));
       for (int64_t g = 0; g < G; ++g) rope(x + (h * G + g) * D, c, s, D, scale, q.data() + g * D);
       scores.resize(G * n);
-      scores_of(q.data(), k, L, n, G, D, scores.data());
+      scores_of(q.data(), k, n, G, D, scores.data());
       for (int64_t g = 0; g < G; ++g) softmax_inplace(scores.data() + g * n, n);
       weighted_sum(scores.data(), v, n, G, D, acc.data());
       T* out = y + b * H * D + h * G * D;
-      for (int64_t i = 0; i < G * D; ++i) out[i] = static_cast<T>(acc[i]);
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      for (; i + 16 <= G * D; i += 16) store16(out + i, _mm512_loadu_ps(acc.data() + i));
+#endif
+      for (; i < G * D; ++i) out[i] = static_cast<T>(acc[i]);
     }
   });
 }
@@ -271,7 +301,8 @@ void decode_attention_impl(const T* qkv, const float* cos, const float* sin, T* 
 
 // qkv: [B, (H + 2 KV) * D] (q heads, then k heads, then v heads), cos/sin: [B, D] fp32 rotary rows at
 // each sequence's position, kv: one layer of the cache [2, slots, KV, L, D] (keys then values; each key
-// head block holds its [L, D] keys TRANSPOSED, as [D, L], see model.KVSlots), lens: [B]
+// head block holds its keys in blocks of kBlock positions, each block transposed as [D, kBlock], see
+// model.KVSlots; L is a multiple of kBlock), lens: [B]
 // positions (sequence b sits in slot b and attends to positions 0..lens[b]). Stores the new k, v at
 // position lens[b] of slot b and returns the attention output [B, H * D].
 torch::Tensor decode_attention(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor kv,
@@ -286,6 +317,7 @@ torch::Tensor decode_attention(torch::Tensor qkv, torch::Tensor cos, torch::Tens
   TORCH_CHECK(heads % KV == 0 && qkv.size(1) == (heads + 2 * KV) * D && cos.size(0) == B && cos.size(1) == D &&
               lens.size(0) == B && B <= slots, "shapes do not agree");
   const int64_t* pos = lens.data_ptr<int64_t>();
+  TORCH_CHECK(L % kBlock == 0, "the cache length must be a multiple of ", kBlock);
   for (int64_t b = 0; b < B; ++b) TORCH_CHECK(pos[b] >= 0 && pos[b] < L, "a position is outside the cache");
   auto y = torch::empty({B, heads * D}, qkv.options());
   if (qkv.scalar_type() == at::kFloat) {
@@ -403,7 +435,15 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   return out;
 }
 
+// linear_bf16.cpp
+bool has_linear_bf16();
+torch::Tensor pack_linear_bf16(torch::Tensor w);
+torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t N);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("has_linear_bf16", &has_linear_bf16, "whether linear_bf16 was built (AVX512-BF16)");
+  m.def("pack_linear_bf16", &pack_linear_bf16, "pack a bf16 [N, K] weight for linear_bf16");
+  m.def("linear_bf16", &linear_bf16, "x @ W^T (+ bias) in bf16 with fp32 accumulation, W packed");
   m.def("decode_attention", &decode_attention, "fused RoPE + KV store + attention for one decode step");
   m.def("add_rms_norm", &add_rms_norm, "x += delta in place, then RMSNorm(x) * weight");
   m.def("silu_mul", &silu_mul, "silu(gate) * up from [rows, 2 * inner]");
