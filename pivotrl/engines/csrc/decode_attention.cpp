@@ -14,7 +14,6 @@
 
 #include <cmath>
 #include <cstring>
-#include <cstdlib>
 #include <vector>
 
 #if defined(__AVX512F__) || defined(__SSE__)
@@ -27,6 +26,27 @@ constexpr int64_t kBlock = 16;  // positions per key block (model.KEY_BLOCK)
 
 // Element (d, s) of one head's blocked keys.
 inline int64_t key_index(int64_t d, int64_t s, int64_t D) { return (s / kBlock) * D * kBlock + d * kBlock + s % kBlock; }
+
+// The next task's keys and values, requested one cache line at a time from inside this task's loops: a
+// burst of requests at the task's start fills the miss queue and stalls the core, while spread out they
+// arrive as the arithmetic runs.
+struct Ahead {
+  const char* k = nullptr;
+  const char* k_end = nullptr;
+  const char* v = nullptr;
+  const char* v_end = nullptr;
+  inline void step() {
+#if defined(__AVX512F__) || defined(__SSE__)
+    if (k < k_end) {
+      _mm_prefetch(k, _MM_HINT_T1);
+      k += 64;
+    } else if (v < v_end) {
+      _mm_prefetch(v, _MM_HINT_T1);
+      v += 64;
+    }
+#endif
+  }
+};
 
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
@@ -122,7 +142,7 @@ inline void softmax_inplace(float* x, int64_t n) {
 // Scores of GN (compile-time) queries against the 32 keys of the two blocks from s0 (a multiple of 32):
 // each key load serves every query and the 2 * GN accumulators are independent (FMA latency hidden).
 template <typename T, int GN>
-void scores_block(const float* q, const T* kb, int64_t n, int64_t D, int64_t s0, float* out) {
+void scores_block(const float* q, const T* kb, int64_t n, int64_t D, int64_t s0, float* out, Ahead& ahead) {
   const __mmask16 m0 = tail_mask(n - s0), m1 = tail_mask(n - s0 - 16);
   const T* block0 = kb + (s0 / kBlock) * D * kBlock;
   const T* block1 = block0 + D * kBlock;  // read only under a non-empty mask m1
@@ -131,6 +151,8 @@ void scores_block(const float* q, const T* kb, int64_t n, int64_t D, int64_t s0,
   for (int64_t d = 0; d < D; ++d) {
     const __m512 k0 = masked_load16(block0 + d * kBlock, m0);
     const __m512 k1 = m1 ? masked_load16(block1 + d * kBlock, m1) : _mm512_setzero_ps();
+    // One line per iteration covers bf16 keys and values with the weighted sum's; fp32 has twice the lines.
+    for (size_t r = 0; r < sizeof(T) / 2; ++r) ahead.step();
     for (int j = 0; j < GN; ++j) {
       const __m512 w = _mm512_set1_ps(q[j * D + d]);
       a0[j] = _mm512_fmadd_ps(w, k0, a0[j]);
@@ -146,17 +168,17 @@ void scores_block(const float* q, const T* kb, int64_t n, int64_t D, int64_t s0,
 
 // Scores of the G queries (fp32, [G, D]) against keys 0..n) stored in transposed blocks (key_index).
 template <typename T>
-void scores_of(const float* q, const T* kb, int64_t n, int64_t G, int64_t D, float* out /* [G, n] */) {
+void scores_of(const float* q, const T* kb, int64_t n, int64_t G, int64_t D, float* out /* [G, n] */, Ahead& ahead) {
 #if defined(__AVX512F__)
   for (int64_t g0 = 0; g0 < G; g0 += 4) {  // up to 4 queries per pass (masked tails: nothing past n is read)
     const int64_t gn = G - g0 < 4 ? G - g0 : 4;
     for (int64_t s0 = 0; s0 < n; s0 += 32) {
       const float* qg = q + g0 * D;
       float* og = out + g0 * n;
-      if (gn == 4) scores_block<T, 4>(qg, kb, n, D, s0, og);
-      else if (gn == 3) scores_block<T, 3>(qg, kb, n, D, s0, og);
-      else if (gn == 2) scores_block<T, 2>(qg, kb, n, D, s0, og);
-      else scores_block<T, 1>(qg, kb, n, D, s0, og);
+      if (gn == 4) scores_block<T, 4>(qg, kb, n, D, s0, og, ahead);
+      else if (gn == 3) scores_block<T, 3>(qg, kb, n, D, s0, og, ahead);
+      else if (gn == 2) scores_block<T, 2>(qg, kb, n, D, s0, og, ahead);
+      else scores_block<T, 1>(qg, kb, n, D, s0, og, ahead);
     }
   }
   return;
@@ -173,7 +195,7 @@ void scores_of(const float* q, const T* kb, int64_t n, int64_t G, int64_t D, flo
 // acc[GN, C*16] = p[GN, n] @ v[n, C*16]: GN * C accumulators in registers (both are constants), each row of
 // v loaded once for all GN queries.
 template <typename T, int C, int GN>
-void weighted_sum_block(const float* p, const T* v, int64_t n, float* acc) {
+void weighted_sum_block(const float* p, const T* v, int64_t n, float* acc, Ahead& ahead) {
   constexpr int64_t D = C * 16;
   __m512 a[GN][C];
   for (int j = 0; j < GN; ++j)
@@ -181,6 +203,8 @@ void weighted_sum_block(const float* p, const T* v, int64_t n, float* acc) {
   for (int64_t s = 0; s < n; ++s) {
     __m512 row[C];
     for (int c = 0; c < C; ++c) row[c] = load16(v + s * D + c * 16);
+    ahead.step();
+    ahead.step();
     for (int j = 0; j < GN; ++j) {
       const __m512 w = _mm512_set1_ps(p[j * n + s]);
       for (int c = 0; c < C; ++c) a[j][c] = _mm512_fmadd_ps(w, row[c], a[j][c]);
@@ -191,26 +215,26 @@ void weighted_sum_block(const float* p, const T* v, int64_t n, float* acc) {
 }
 
 template <typename T, int C>
-void weighted_sum_vec(const float* p, const T* v, int64_t n, int64_t G, float* acc) {
+void weighted_sum_vec(const float* p, const T* v, int64_t n, int64_t G, float* acc, Ahead& ahead) {
   constexpr int64_t D = C * 16;
   constexpr int most = C <= 4 ? 4 : 2;  // keep GN * C accumulators + C rows within the 32 registers
   for (int64_t g0 = 0; g0 < G; g0 += most) {
     const int64_t gn = G - g0 < most ? G - g0 : most;
-    if (gn == 4) weighted_sum_block<T, C, 4>(p + g0 * n, v, n, acc + g0 * D);
-    else if (gn == 3) weighted_sum_block<T, C, 3>(p + g0 * n, v, n, acc + g0 * D);
-    else if (gn == 2) weighted_sum_block<T, C, 2>(p + g0 * n, v, n, acc + g0 * D);
-    else weighted_sum_block<T, C, 1>(p + g0 * n, v, n, acc + g0 * D);
+    if (gn == 4) weighted_sum_block<T, C, 4>(p + g0 * n, v, n, acc + g0 * D, ahead);
+    else if (gn == 3) weighted_sum_block<T, C, 3>(p + g0 * n, v, n, acc + g0 * D, ahead);
+    else if (gn == 2) weighted_sum_block<T, C, 2>(p + g0 * n, v, n, acc + g0 * D, ahead);
+    else weighted_sum_block<T, C, 1>(p + g0 * n, v, n, acc + g0 * D, ahead);
   }
 }
 #endif
 
 // acc[G, D] = p[G, n] @ v[n, D]
 template <typename T>
-void weighted_sum(const float* p, const T* v, int64_t n, int64_t G, int64_t D, float* acc) {
+void weighted_sum(const float* p, const T* v, int64_t n, int64_t G, int64_t D, float* acc, Ahead& ahead) {
 #if defined(__AVX512F__)
-  if (D == 64) return weighted_sum_vec<T, 4>(p, v, n, G, acc);
-  if (D == 128) return weighted_sum_vec<T, 8>(p, v, n, G, acc);
-  if (D == 32) return weighted_sum_vec<T, 2>(p, v, n, G, acc);
+  if (D == 64) return weighted_sum_vec<T, 4>(p, v, n, G, acc, ahead);
+  if (D == 128) return weighted_sum_vec<T, 8>(p, v, n, G, acc, ahead);
+  if (D == 32) return weighted_sum_vec<T, 2>(p, v, n, G, acc, ahead);
 #endif
   for (int64_t g = 0; g < G; ++g)
     for (int64_t d = 0; d < D; ++d) {
@@ -244,20 +268,16 @@ void rope(const T* x, const float* cos, const float* sin, int64_t D, float scale
     out[d] = (to_float(x[d]) * cos[d] + to_float(x[d - half]) * sin[d]) * scale;
 }
 
-// Ask for a later task's keys and values (into L2) while this one computes: two contiguous runs, the key
-// blocks and the value rows of its prefix, which then arrive while this task's arithmetic runs.
 template <typename T>
-inline void prefetch_task(const T* kv, const int64_t* lens, int64_t task, int64_t KV, int64_t D,
-                          int64_t slot_stride, int64_t head_stride, int64_t kv_stride) {
-#if defined(__AVX512F__) || defined(__SSE__)
+inline Ahead ahead_of(const T* kv, const int64_t* lens, int64_t task, int64_t KV, int64_t D, int64_t slot_stride,
+                      int64_t head_stride, int64_t kv_stride) {
   const int64_t b = task / KV, h = task % KV, n = lens[b] + 1;
-  const char* k = reinterpret_cast<const char*>(kv + b * slot_stride + h * head_stride);
-  const char* v = reinterpret_cast<const char*>(kv + b * slot_stride + h * head_stride + kv_stride);
-  const int64_t k_bytes = ((n + kBlock - 1) / kBlock) * kBlock * D * static_cast<int64_t>(sizeof(T));
-  const int64_t v_bytes = n * D * static_cast<int64_t>(sizeof(T));
-  for (int64_t off = 0; off < k_bytes; off += 64) _mm_prefetch(k + off, _MM_HINT_T1);
-  for (int64_t off = 0; off < v_bytes; off += 64) _mm_prefetch(v + off, _MM_HINT_T1);
-#endif
+  Ahead a;
+  a.k = reinterpret_cast<const char*>(kv + b * slot_stride + h * head_stride);
+  a.v = reinterpret_cast<const char*>(kv + b * slot_stride + h * head_stride + kv_stride);
+  a.k_end = a.k + ((n + kBlock - 1) / kBlock) * kBlock * D * static_cast<int64_t>(sizeof(T));
+  a.v_end = a.v + n * D * static_cast<int64_t>(sizeof(T));
+  return a;
 }
 
 template <typename T>
@@ -274,19 +294,16 @@ void decode_attention_impl(const T* qkv, const float* cos, const float* sin, T* 
       const float* s = sin + b * D;
       T* k = kv + b * slot_stride + h * head_stride;
       T* v = k + kv_stride;
-      // Two tasks ahead: one task's arithmetic (~1.5 us) is shorter than a burst of misses takes to arrive.
-      static const int PD = std::getenv("PD") ? std::atoi(std::getenv("PD")) : 2;
-      if (task == begin) for (int j = 1; j < PD; ++j) if (task + j < end)
-        prefetch_task<T>(kv, lens, task + j, KV, D, slot_stride, head_stride, kv_stride);
-      if (PD > 0 && task + PD < end) prefetch_task<T>(kv, lens, task + PD, KV, D, slot_stride, head_stride, kv_stride);
+      Ahead ahead = task + 1 < end ? ahead_of<T>(kv, lens, task + 1, KV, D, slot_stride, head_stride, kv_stride)
+                                   : Ahead{};
       rope(x + (H + h) * D, c, s, D, 1.f, tmp.data());
       for (int64_t d = 0; d < D; ++d) k[key_index(d, pos, D)] = static_cast<T>(tmp[d]);
       std::memcpy(v + pos * D, x + (H + KV + h) * D, D * sizeof(T));
       for (int64_t g = 0; g < G; ++g) rope(x + (h * G + g) * D, c, s, D, scale, q.data() + g * D);
       scores.resize(G * n);
-      scores_of(q.data(), k, n, G, D, scores.data());
+      scores_of(q.data(), k, n, G, D, scores.data(), ahead);
       for (int64_t g = 0; g < G; ++g) softmax_inplace(scores.data() + g * n, n);
-      weighted_sum(scores.data(), v, n, G, D, acc.data());
+      weighted_sum(scores.data(), v, n, G, D, acc.data(), ahead);
       T* out = y + b * H * D + h * G * D;
       int64_t i = 0;
 #if defined(__AVX512F__)
