@@ -3,7 +3,9 @@
 Why: see `csrc/decode_attention.cpp` — between its matmuls, one decode step is many tiny ops in torch
 (RoPE, KV store, small batched attention matmuls, softmax, residual adds, norms, SwiGLU), and on CPU their
 fixed costs, not their FLOPs, dominate a small model's step. The kernels fuse them: one attention call
-per layer, one add+norm between sublayers, one silu*mul. The kernel is built with
+per layer, one add+norm between sublayers, one silu*mul. `csrc/linear.cpp` adds the step's matmuls for
+decode-sized batches (fp32 on AVX-512, bf16 on AVX512-BF16; `model.PackedWeight` uses them, oneDNN
+otherwise). The kernel is built with
 `torch.utils.cpp_extension.load` (a C++ compiler and ninja are needed; the build is cached under torch's
 extensions directory, about 40 s the first time on a 2-core box, instant after). Where it cannot be built
 (no compiler, another platform) or `PIVOTRL_NATIVE_KERNELS=0`, `native()` returns None and the model runs
@@ -18,7 +20,7 @@ import threading
 from pathlib import Path
 
 log = logging.getLogger(__name__)
-_SOURCES = [Path(__file__).with_name("csrc") / name for name in ("decode_attention.cpp", "linear_bf16.cpp")]
+_SOURCES = [Path(__file__).with_name("csrc") / name for name in ("decode_attention.cpp", "linear.cpp")]
 _lock = threading.Lock()
 _loaded: dict[str, object] = {}
 

@@ -68,10 +68,10 @@ def _packable(dtype: torch.dtype, native: object | None = None) -> bool:
     support (avx512_bf16 / AMX; otherwise oneDNN would emulate it and the packed path is no faster) or the
     native kernels' own bf16 matmul was built."""
     if dtype == torch.float32:
-        return _can_pack()
+        return _can_pack() or (native is not None and bool(native.has_linear_fp32()))
     if dtype != torch.bfloat16:
         return False
-    if native is not None and bool(getattr(native, "has_linear_bf16", lambda: False)()):
+    if native is not None and bool(native.has_linear_bf16()):
         return True
     return _can_pack() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
@@ -79,9 +79,10 @@ def _packable(dtype: torch.dtype, native: object | None = None) -> bool:
 class PackedWeight:
     """A Linear weight packed once for no-grad CPU calls.
 
-    bf16 with the native kernels built for AVX512-BF16 (`kernels.py`, `linear_bf16`): our own packing and
-    matmul, ~10-45 % faster than oneDNN's on decode-sized batches (no per-call primitive lookup; it also
-    prefetches the next panels of the weight while it multiplies). Otherwise oneDNN's prepacked weight.
+    With the native kernels (`kernels.py`, `csrc/linear.cpp`; fp32 where built for AVX-512, bf16 for
+    AVX512-BF16): our own packing and matmul, faster than oneDNN's on decode-sized batches (no per-call
+    primitive lookup, and it requests the next panels of the weight while it multiplies). Otherwise
+    oneDNN's prepacked weight.
     """
 
     __slots__ = ("data", "native", "out_features")
@@ -90,13 +91,13 @@ class PackedWeight:
         w = w.detach()
         self.out_features = w.shape[0]
         if _native_linear(native, w):
-            self.native, self.data = native, native.pack_linear_bf16(w)
+            self.native, self.data = native, native.pack_linear(w)
         else:
             self.native, self.data = None, torch.ops.mkldnn._reorder_linear_weight(w, 32)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.native is not None:
-            return self.native.linear_bf16(x, self.data, bias, self.out_features)
+            return self.native.linear(x, self.data, bias, self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.data, bias, "none", [], "")
 
     def memory(self) -> tuple[int, int]:
@@ -107,12 +108,12 @@ class PackedWeight:
 
 
 def _native_linear(native: object | None, w: torch.Tensor) -> bool:
-    return (
-        native is not None
-        and w.dtype == torch.bfloat16
-        and w.shape[1] % 2 == 0
-        and bool(getattr(native, "has_linear_bf16", lambda: False)())
-    )
+    """Whether the native kernels' matmul takes `w` (see `PackedWeight`)."""
+    if native is None:
+        return False
+    if w.dtype == torch.float32:
+        return bool(native.has_linear_fp32())
+    return w.dtype == torch.bfloat16 and w.shape[1] % 2 == 0 and bool(native.has_linear_bf16())
 
 
 def linear(m: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -184,7 +185,7 @@ class FusedLinear:
         if self.pack and w.device.type == "cpu" and _packable(w.dtype, self.native):
             packed = PackedWeight(w, self.native)
             if packed.native is not None and b is not None:
-                b = b.float()  # what linear_bf16 adds; converted once here rather than per call
+                b = b.float()  # what the native matmul adds; converted once here rather than per call
             w = None  # the packed copy is all a CPU call needs
         self._state = (key, w, b, packed)
         return self._state
@@ -211,7 +212,7 @@ class _PackedMatmul:
 
     def __init__(self, packed: PackedWeight, bias: torch.Tensor | None) -> None:
         self.packed = packed
-        # linear_bf16 adds an fp32 bias: converted once here rather than per call
+        # the native matmul adds an fp32 bias: converted once here rather than per call
         self.bias = bias.detach().float() if bias is not None and packed.native is not None else bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -421,9 +422,10 @@ class KVSlots:
     def __init__(self, config, slots: int, max_len: int, device, dtype) -> None:
         kv_heads, d, layers = config.num_key_value_heads, _head_dim(config), config.num_hidden_layers
         max_len = _round_up(max_len, KEY_BLOCK)
-        self.kv = torch.zeros((layers, 2, slots, kv_heads, max_len, d), device=device, dtype=dtype)
-        if self.kv.device.type == "cpu":
+        self.kv = torch.empty((layers, 2, slots, kv_heads, max_len, d), device=device, dtype=dtype)
+        if self.kv.device.type == "cpu":  # before the first touch: fresh pages then fault in huge, no copy
             huge_pages([(self.kv.data_ptr(), self.kv.numel() * self.kv.element_size())])
+        self.kv.zero_()  # the torch path reads stale positions (masked): they must be finite
         blocks = max_len // KEY_BLOCK
         # [layers, slots, kv_heads, blocks, KEY_BLOCK (position in block), head_dim]: a strided view.
         self.k_blocks = self.kv[:, 0].view(layers, slots, kv_heads, blocks, d, KEY_BLOCK).transpose(-1, -2)

@@ -452,15 +452,16 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   return out;
 }
 
-// linear_bf16.cpp
-bool has_linear_bf16();
-torch::Tensor pack_linear_bf16(torch::Tensor w);
-torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t N);
+// linear.cpp
+bool has_linear(c10::ScalarType dtype);
+torch::Tensor pack_linear(torch::Tensor w);
+torch::Tensor linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t N);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("has_linear_bf16", &has_linear_bf16, "whether linear_bf16 was built (AVX512-BF16)");
-  m.def("pack_linear_bf16", &pack_linear_bf16, "pack a bf16 [N, K] weight for linear_bf16");
-  m.def("linear_bf16", &linear_bf16, "x @ W^T (+ bias) in bf16 with fp32 accumulation, W packed");
+  m.def("has_linear_fp32", [] { return has_linear(at::kFloat); }, "whether linear takes fp32 here (AVX-512)");
+  m.def("has_linear_bf16", [] { return has_linear(at::kBFloat16); }, "whether linear takes bf16 (AVX512-BF16)");
+  m.def("pack_linear", &pack_linear, "pack an [N, K] weight for linear");
+  m.def("linear", &linear, "x @ W^T (+ bias) with fp32 accumulation, W packed by pack_linear");
   m.def("decode_attention", &decode_attention, "fused RoPE + KV store + attention for one decode step");
   m.def("add_rms_norm", &add_rms_norm, "x += delta in place, then RMSNorm(x) * weight");
   m.def("silu_mul", &silu_mul, "silu(gate) * up from [rows, 2 * inner]");
