@@ -2,9 +2,8 @@
 
     python -m benchmarks.generation --quick --json OUT.json
 
-Three comparisons on the `small` model (`--dtype`, fp32 by default, the SAME dtype and torch thread count on
-both sides, warm-up excluded, medians of >= 3 repeats with the sides interleaved so machine noise hits both
-alike):
+Three comparisons on the `small` model (the SAME dtype and torch thread count on both sides, warm-up
+excluded, medians of >= 3 repeats with the sides interleaved so machine noise hits both alike):
 
 (a) 32 sequences x 128 new tokens, greedy: ours vs `model.generate` (one static batch)
     -> ``ratio_vs_hf_generate``
@@ -18,12 +17,17 @@ per-sequence `max_new_tokens` (no stop ids), transformers via a per-row `Stoppin
 Length of row i = min(512, scale x (tokens of its reference answer + 1)), which keeps the task's tail.
 Tokens/s counts the tokens each sequence was asked for (identical on both sides).
 
-Our engine runs its own compact model with oneDNN-prepacked weights on CPU (same math and dtype; recorded
-as ``ours_packed_weights``) and its native fused decode kernels where they build (recorded as
-``ours_native_kernels``; ``PIVOTRL_NATIVE_KERNELS=0`` measures the torch-ops path); transformers runs its
-stock modules (SDPA attention). With ``--dtype bfloat16`` both sides load
-the weights in bf16 (on a CPU with avx512_bf16 oneDNN runs bf16 matmuls natively); our engine still samples
-and computes log-probs in fp32 from the bf16 logits.
+Dtype (``--dtype``, recorded as ``dtype``): ``auto`` (the default) is bf16 where the CPU computes bf16
+natively (avx512_bf16 / AMX, as oneDNN reports it), fp32 elsewhere. Why a 16-bit default: generation
+engines serve 16-bit weights (vLLM's ``--dtype auto`` runs even an fp32 checkpoint in fp16/bf16; pivotrl's
+GPU configs run bf16), and both sides run that same dtype. ``--dtype float32`` measures fp32; the figures
+of both are in docs/engine.md. In bf16 both sides load the weights in bf16; our engine still samples and
+computes log-probs in fp32 from the bf16 logits.
+
+Our engine runs its own compact model with weights packed once on CPU (its native matmul, or oneDNN's;
+recorded as ``ours_packed_weights``) and its native fused decode kernels where they build (recorded as
+``ours_native_kernels``; ``PIVOTRL_NATIVE_KERNELS=0`` measures the oneDNN and torch-ops path);
+transformers runs its stock modules (SDPA attention).
 
 Timing: both wall-clock and process CPU time are recorded for every run. The headline ratios use CPU time:
 with one torch thread per side, CPU seconds are what the run costs, and they do not swing with the load of
@@ -159,6 +163,12 @@ def _hf_continuous(hf, prompts: list[list[int]], max_new_tokens: int, sized: boo
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
+def native_bf16() -> bool:
+    """Whether this CPU computes bf16 natively (avx512_bf16 / AMX), as oneDNN reports it."""
+    mkldnn = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported")
+    return bool(mkldnn and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def _agreement(model: CausalLM, hf, prompts: list[list[int]], n: int) -> float:
     """Fraction of greedy tokens on which both sides agree (sanity check that the work is equivalent)."""
     engine = GenerationEngine(model, kv_budget_tokens=len(prompts) * 256, max_batch=len(prompts))
@@ -200,7 +210,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--dtype", choices=sorted(DTYPES), default="float32", help="weights and activations, BOTH sides"
+        "--dtype",
+        choices=["auto", *sorted(DTYPES)],
+        default="auto",
+        help="weights and activations, BOTH sides (auto: bfloat16 on a CPU with native bf16, else float32)",
     )
     parser.add_argument(
         "--skip-hf-defaults", action="store_true", help="do not run generate_batch with defaults"
@@ -211,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--repeats must be >= 3 (medians of at least three)")
     scale = 4 if args.quick else 8
     torch.set_num_threads(args.threads)
+    if args.dtype == "auto":
+        args.dtype = "bfloat16" if native_bf16() else "float32"
     dtype = DTYPES[args.dtype]
 
     from transformers import AutoModelForCausalLM

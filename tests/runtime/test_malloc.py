@@ -42,3 +42,36 @@ def test_freed_buffers_are_reused_without_page_faults():
     # default: every 4 MiB buffer is mmap'd and faulted in again (~2,000 faults per step here)
     assert default > 100_000, default
     assert kept < default / 20, (kept, default)
+
+
+def _thp_possible() -> bool:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            mode = f.read()
+    except OSError:
+        return False
+    release = tuple(int(p) for p in os.uname().release.split(".")[:2] if p.isdigit())
+    return "[never]" not in mode and release >= (6, 1)  # MADV_COLLAPSE
+
+
+def _anon_huge_kib() -> int:
+    with open("/proc/self/smaps_rollup") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("AnonHugePages"))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise(2) huge pages")
+def test_huge_pages_keep_contents_and_skip_small_buffers():
+    import torch
+
+    from pivotrl.malloc import MIN_HUGE_BYTES, huge_pages
+
+    small = torch.arange(1024, dtype=torch.float32)
+    assert huge_pages([(small.data_ptr(), small.numel() * 4)]) == 0  # under MIN_HUGE_BYTES: left alone
+    big = torch.randn(3 * MIN_HUGE_BYTES // 4, generator=torch.Generator().manual_seed(0))
+    expected = big.clone()
+    before = _anon_huge_kib()
+    collapsed = huge_pages([(big.data_ptr(), big.numel() * 4)])
+    assert torch.equal(big, expected)  # the pages moved, the contents did not
+    if _thp_possible():
+        assert collapsed >= 4, collapsed  # 12 MiB spans at least 5 whole 2 MiB chunks
+        assert _anon_huge_kib() >= before + 4 * 2048

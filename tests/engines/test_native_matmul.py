@@ -1,0 +1,128 @@
+"""The native matmul (`csrc/linear.cpp`, used through `model.PackedWeight`) computes x @ W^T + b for every
+shape the engine gives it (row and column tails, N-D inputs), and a model running on it never decodes with
+stale weights (the per-step plan of `CausalLM._plan` follows in-place updates and `load_state_dict`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pivotrl.engines import kernels
+from pivotrl.engines.generation import GenerationEngine, GenRequest, SamplingParams
+from pivotrl.engines.model import CausalLM, KVSlots, PackedWeight
+from pivotrl.engines.models import init_state_dict, make_config
+
+NATIVE = kernels.native()
+needs_native = pytest.mark.skipif(NATIVE is None, reason="native kernels do not build here (no compiler?)")
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _supported(dtype: torch.dtype) -> bool:
+    return NATIVE is not None and bool(
+        NATIVE.has_linear_fp32() if dtype == torch.float32 else NATIVE.has_linear_bf16()
+    )
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("m", [1, 8, 9, 33])
+@pytest.mark.parametrize("n", [1, 16, 17, 49, 99])
+def test_native_linear_equals_reference_on_every_tail(dtype, m, n):
+    if not _supported(dtype):
+        pytest.skip(f"no native {dtype} matmul on this CPU")
+    gen = torch.Generator().manual_seed(m * 1000 + n)
+    for k in (2, 64, 384):
+        x = torch.randn(m, k, generator=gen).to(dtype)
+        w = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype)
+        b = torch.randn(n, generator=gen).to(dtype)
+        packed = NATIVE.pack_linear(w)
+        ref = F.linear(x.double(), w.double())
+        tol = 1e-5 if dtype == torch.float32 else 2**-7  # one bf16 rounding of the output
+        scale = ref.abs().max().item() + 1.0
+        got = NATIVE.linear(x, packed, None, n)
+        assert got.dtype == dtype and got.shape == (m, n)
+        assert (got.double() - ref).abs().max().item() <= tol * scale
+        got = NATIVE.linear(x, packed, b, n)
+        assert (got.double() - (ref + b.double())).abs().max().item() <= tol * (scale + b.abs().max().item())
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_packed_weight_takes_nd_and_strided_inputs(dtype):
+    if not _supported(dtype):
+        pytest.skip(f"no native {dtype} matmul on this CPU")
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(40, 64, generator=gen).to(dtype)
+    packed = PackedWeight(w, NATIVE)
+    assert packed.native is NATIVE  # the native path, not oneDNN
+    x = torch.randn(2, 3, 128, generator=gen).to(dtype)[..., ::2]  # [2, 3, 64], not contiguous
+    got = packed(x, None)
+    assert got.shape == (2, 3, 40)
+    tol = 1e-5 if dtype == torch.float32 else 2**-7
+    ref = F.linear(x.double(), w.double())
+    assert (got.double() - ref).abs().max().item() <= tol * (ref.abs().max().item() + 1)
+
+
+def _model(seed: int, dtype: torch.dtype, native) -> CausalLM:
+    config = make_config("debug")
+    model = CausalLM.from_config(config).eval()
+    model.load_state_dict(init_state_dict(config, seed))
+    model.to(dtype)
+    model.native = native
+    model.pack_for_inference()
+    return model
+
+
+def _decode_logits(model: CausalLM, ids: torch.Tensor, lens: list[int]) -> torch.Tensor:
+    cache = KVSlots(model.config, slots=len(lens), max_len=64, device="cpu", dtype=model.lm_head.weight.dtype)
+    with torch.no_grad():
+        model.prefill_packed([ids[i, :n].tolist() for i, n in enumerate(lens)], cache, slot0=0)
+        pos = torch.tensor(lens)
+        return model.decode(ids[torch.arange(len(lens)), pos], pos, cache).float()
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_native_decode_follows_weight_updates(dtype):
+    """In-place updates (an optimizer step, `load_state_dict`) and a fresh model with the same weights decode
+    alike: the plan is rebuilt when a parameter's version or storage moves."""
+    ids = torch.randint(4, 100, (3, 24), generator=torch.Generator().manual_seed(5))
+    lens = [9, 4, 13]
+    model = _model(1, dtype, NATIVE)
+    before = _decode_logits(model, ids, lens)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "mlp.down_proj" in name or "self_attn.q_proj" in name:
+                p.mul_(-2.0)  # in place: the version moves, the storage does not
+    after = _decode_logits(model, ids, lens)
+    fresh = _model(1, dtype, NATIVE)
+    fresh.load_state_dict({k: v.clone() for k, v in model.state_dict().items()})
+    assert not torch.allclose(after, before)
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    assert torch.allclose(after, _decode_logits(fresh, ids, lens), atol=tol)
+    model.load_state_dict(_model(2, dtype, None).state_dict())  # new weights copied in
+    assert torch.allclose(
+        _decode_logits(model, ids, lens), _decode_logits(_model(2, dtype, NATIVE), ids, lens), atol=tol
+    )
+
+
+@needs_native
+def test_engine_uses_the_native_matmul_and_matches_onednn(debug_model_dir):
+    """The same greedy tokens and log-probs with the native matmul as with oneDNN's (kernels off)."""
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=24, stop_ids=())
+    reqs = [GenRequest(f"s{i}", [1, 5 + i, 9, 17 + 2 * i], sampling) for i in range(5)]
+    runs = []
+    for native in (True, False):
+        engine = GenerationEngine(
+            CausalLM.from_pretrained(debug_model_dir),
+            kv_budget_tokens=1024,
+            max_batch=4,
+            native_kernels=native,
+        )
+        head = engine.model.lm_head.__dict__["_packed"][0]
+        assert (head.native is not None) is (native and _supported(torch.float32))
+        runs.append(engine.generate(reqs))
+    for a, b in zip(*runs):
+        assert a.generated_ids == b.generated_ids
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4)
