@@ -522,6 +522,7 @@ class CausalLM(nn.Module):
         no-grad calls use it, training is unchanged. `enable=False` drops every packed and fused copy (an
         offloaded engine gives the memory back) and returns no-grad calls to the per-layer path.
         """
+        self.__dict__.pop("_plan_cache", None)  # it holds packed copies: rebuilt from the new state on use
         fused = [f for m in self.modules() for f in vars(m).values() if isinstance(f, FusedLinear)]
         for f in fused:
             f.enabled = enable

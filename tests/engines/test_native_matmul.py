@@ -126,3 +126,17 @@ def test_engine_uses_the_native_matmul_and_matches_onednn(debug_model_dir):
     for a, b in zip(*runs):
         assert a.generated_ids == b.generated_ids
         assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4)
+
+
+@needs_native
+def test_offload_drops_every_packed_copy(debug_model_dir):
+    """An offloaded engine gives the packed weights back: nothing on the model still refers to them."""
+    model = CausalLM.from_pretrained(debug_model_dir)
+    engine = GenerationEngine(model, kv_budget_tokens=256, max_batch=2)
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=4, stop_ids=())
+    engine.generate([GenRequest("a", [1, 5, 9], sampling)])  # decodes: the plan is built
+    assert "_plan_cache" in model.__dict__
+    engine.offload()
+    assert "_plan_cache" not in model.__dict__
+    assert not any("_packed" in m.__dict__ for m in model.modules())
+    assert all(f._state is None for m in model.modules() for f in vars(m).values() if hasattr(f, "_state"))
