@@ -139,6 +139,9 @@ def test_engine_with_and_without_native_kernels_generates_the_same(debug_model_d
             native_kernels=native,
         )
         assert engine.native_kernels is native
+        # kernels on: the matmuls are the native ones where this CPU has them; off: oneDNN's
+        head = engine.model.lm_head.__dict__["_packed"][0]
+        assert (head.native is not None) is (native and bool(NATIVE.has_linear_fp32()))
         runs.append(engine.generate(_reqs(prompts)))
     for a, b in zip(*runs):
         assert a.generated_ids == b.generated_ids

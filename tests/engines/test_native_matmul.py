@@ -108,27 +108,6 @@ def test_native_decode_follows_weight_updates(dtype):
 
 
 @needs_native
-def test_engine_uses_the_native_matmul_and_matches_onednn(debug_model_dir):
-    """The same greedy tokens and log-probs with the native matmul as with oneDNN's (kernels off)."""
-    sampling = SamplingParams(temperature=0.0, max_new_tokens=24, stop_ids=())
-    reqs = [GenRequest(f"s{i}", [1, 5 + i, 9, 17 + 2 * i], sampling) for i in range(5)]
-    runs = []
-    for native in (True, False):
-        engine = GenerationEngine(
-            CausalLM.from_pretrained(debug_model_dir),
-            kv_budget_tokens=1024,
-            max_batch=4,
-            native_kernels=native,
-        )
-        head = engine.model.lm_head.__dict__["_packed"][0]
-        assert (head.native is not None) is (native and _supported(torch.float32))
-        runs.append(engine.generate(reqs))
-    for a, b in zip(*runs):
-        assert a.generated_ids == b.generated_ids
-        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4)
-
-
-@needs_native
 def test_offload_drops_every_packed_copy(debug_model_dir):
     """An offloaded engine gives the packed weights back: nothing on the model still refers to them."""
     model = CausalLM.from_pretrained(debug_model_dir)
