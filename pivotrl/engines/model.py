@@ -18,6 +18,7 @@ oneDNN); `tests/engines/test_decode_paths.py` checks every path against the plai
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -229,6 +230,14 @@ def _bound(m: nn.Linear | FusedLinear) -> Callable[[torch.Tensor], torch.Tensor]
     if packed is not None and m.weight.device.type == "cpu" and _packable(m.weight.dtype, packed[0].native):
         return _PackedMatmul(_current_pack(m, packed)[0], m.bias)
     return lambda x: linear(m, x)
+
+
+_VERSION = operator.attrgetter("_version")
+
+
+def _param_state(params: list[torch.Tensor]) -> tuple[list[int], list[int]]:
+    """Storage addresses and versions of `params`: they move with every update (in place or not)."""
+    return list(map(torch.Tensor.data_ptr, params)), list(map(_VERSION, params))
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -712,7 +721,7 @@ class CausalLM(nn.Module):
         cached = self.__dict__.get("_plan_cache")
         if cached is not None:
             params, key, plan = cached
-            if [(p.data_ptr(), p._version) for p in params] == key:
+            if _param_state(params) == key:
                 return plan
         plan, packed = [], True
         for layer in self.model.layers:
@@ -729,7 +738,7 @@ class CausalLM(nn.Module):
         plan = (plan, (self.model.norm.weight, self.model.norm.eps, head))
         if packed:
             params = list({id(p): p for p in self.parameters()}.values())
-            self.__dict__["_plan_cache"] = (params, [(p.data_ptr(), p._version) for p in params], plan)
+            self.__dict__["_plan_cache"] = (params, _param_state(params), plan)
         else:
             self.__dict__.pop("_plan_cache", None)
         return plan

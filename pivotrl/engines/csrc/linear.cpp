@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 #if defined(__AVX512F__)
@@ -42,7 +43,9 @@ inline __m512 fma_step<float>(__m512 acc, const float* x, __m512i w) {
 #if defined(__AVX512BF16__)
 template <>
 inline __m512 fma_step<uint16_t>(__m512 acc, const uint16_t* x, __m512i w) {
-  const __m512i pair = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x));
+  int32_t bits;
+  std::memcpy(&bits, x, sizeof(bits));  // the (k, k+1) pair of this row as one 32-bit lane
+  const __m512i pair = _mm512_set1_epi32(bits);
   return _mm512_dpbf16_ps(acc, (__m512bh)pair, (__m512bh)w);
 }
 #endif
@@ -154,6 +157,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch:
   TORCH_CHECK(has_linear(dtype) && packed.scalar_type() == dtype && packed.is_contiguous(),
               "linear: x and the packed weight must share a supported dtype");
   const int64_t K = x.size(-1), per = dtype == at::kBFloat16 ? 2 : 1;
+  TORCH_CHECK(x.dim() >= 1 && K > 0, "linear: x must be [..., K] with K > 0");
   TORCH_CHECK(packed.size(1) * per == K && packed.size(2) == kLanes && packed.size(0) * kLanes >= N,
               "linear: the packed weight does not fit x [..., K] and N");
   const int64_t M = x.numel() / K;
