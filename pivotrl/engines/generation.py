@@ -8,8 +8,8 @@ resume that partial sequence on *another* device. This engine does exactly that:
   budget), prefills them in one batch packed back to back (no padding: prompts are long-tailed), decodes
   one token for every sequence already running, and samples all rows at once. A finished sequence leaves
   in the same step and its slot is reused.
-* **Fast decode.** Weights packed once on CPU (bf16 for the native AVX512-BF16 matmul, otherwise for
-  oneDNN), fused q/k/v and gate/up matmuls, and native fused kernels for the rest of the step
+* **Fast decode.** Weights packed once on CPU (for the native matmul, fp32 on AVX-512 and bf16 on
+  AVX512-BF16; otherwise for oneDNN), fused q/k/v and gate/up matmuls, and native fused kernels for the rest of the step
   (`kernels.py`; built on first use, torch ops where they cannot build); weights and KV cache on huge
   pages where the kernel allows (`malloc.huge_pages`). `dtype=torch.bfloat16` casts the weights once at build;
   sampling and log-probs stay fp32, computed from the logits. fp32 is the default.
@@ -244,7 +244,7 @@ class GenerationEngine(RequestBook):
         cpu = torch.device(self.device).type == "cpu"
         self.model.native = kernels.native() if native_kernels and cpu else None
         self.native_kernels = self.model.native is not None
-        # Weights packed once on CPU (`model.PackedWeight`: the native bf16 matmul, else oneDNN): faster
+        # Weights packed once on CPU (`model.PackedWeight`: the native matmul, else oneDNN's): faster
         # decode matmuls; refreshed when weights change.
         self.packed = self.model.pack_for_inference(pack_weights)
         self.kv_budget_tokens = kv_budget_tokens
