@@ -96,6 +96,11 @@ class PackedWeight:
         else:
             self.native, self.data = None, torch.ops.mkldnn._reorder_linear_weight(w, 32)
 
+    def bias_for(self, bias: torch.Tensor | None) -> torch.Tensor | None:
+        """`bias` as a call takes it fastest: the native matmul adds an fp32 bias (converted once by a
+        caller that keeps it, rather than inside every call); oneDNN takes the weight's dtype."""
+        return bias.detach().float() if bias is not None and self.native is not None else bias
+
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.native is not None:
             return self.native.linear(x, self.data, bias, self.out_features)
@@ -126,22 +131,25 @@ def linear(m: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     stale weights; a weight cast to a dtype that is not packed (see `_packable`) or moved off the CPU
     drops it.
     """
-    packed = m.__dict__.get("_packed")
-    if packed is None or torch.is_grad_enabled() or x.device.type != "cpu":
+    if torch.is_grad_enabled() or x.device.type != "cpu":
         return m(x)
+    packed = _current_pack(m)
+    return m(x) if packed is None else packed(x, m.bias)
+
+
+def _current_pack(m: nn.Linear) -> PackedWeight | None:
+    """`m`'s packed weight, re-packed first if the weight changed since; None if `m` is not packed (a
+    weight moved off the CPU or cast to a dtype that is not packed drops its copy)."""
+    packed = m.__dict__.get("_packed")
+    if packed is None:
+        return None
     w = m.weight
     if w.device.type != "cpu" or not _packable(w.dtype, packed[0].native):  # moved or cast out of reach
         m.__dict__.pop("_packed", None)
-        return m(x)
-    return _current_pack(m, packed)[0](x, m.bias)
-
-
-def _current_pack(m: nn.Linear, packed: tuple) -> tuple:
-    """`m`'s packed weight `packed`, re-packed first if the weight changed since."""
-    w = m.weight
+        return None
     if packed[1] is not w or packed[2] != w._version or packed[3] != w.data_ptr() or packed[4] != w.dtype:
-        return _pack(m, packed[0].native)
-    return packed
+        packed = _pack(m, packed[0].native)
+    return packed[0]
 
 
 def _pack(m: nn.Linear, native: object | None) -> tuple:
@@ -185,8 +193,7 @@ class FusedLinear:
         packed = None
         if self.pack and w.device.type == "cpu" and _packable(w.dtype, self.native):
             packed = PackedWeight(w, self.native)
-            if packed.native is not None and b is not None:
-                b = b.float()  # what the native matmul adds; converted once here rather than per call
+            b = packed.bias_for(b)
             w = None  # the packed copy is all a CPU call needs
         self._state = (key, w, b, packed)
         return self._state
@@ -213,8 +220,7 @@ class _PackedMatmul:
 
     def __init__(self, packed: PackedWeight, bias: torch.Tensor | None) -> None:
         self.packed = packed
-        # the native matmul adds an fp32 bias: converted once here rather than per call
-        self.bias = bias.detach().float() if bias is not None and packed.native is not None else bias
+        self.bias = packed.bias_for(bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.packed(x, self.bias)
@@ -226,10 +232,8 @@ def _bound(m: nn.Linear | FusedLinear) -> Callable[[torch.Tensor], torch.Tensor]
     if isinstance(m, FusedLinear):
         _, _, bias, packed = m.current() if m.enabled else (None, None, None, None)
         return _PackedMatmul(packed, bias) if packed is not None else m
-    packed = m.__dict__.get("_packed")
-    if packed is not None and m.weight.device.type == "cpu" and _packable(m.weight.dtype, packed[0].native):
-        return _PackedMatmul(_current_pack(m, packed)[0], m.bias)
-    return lambda x: linear(m, x)
+    packed = _current_pack(m)
+    return _PackedMatmul(packed, m.bias) if packed is not None else lambda x: linear(m, x)
 
 
 _VERSION = operator.attrgetter("_version")
@@ -565,8 +569,8 @@ class CausalLM(nn.Module):
                     state = f.current()
                     if state[3] is not None:
                         packed.append(state[3])
-            if isinstance(m, nn.Linear) and "_packed" in m.__dict__:
-                packed.append(_current_pack(m, m.__dict__["_packed"])[0])
+            if isinstance(m, nn.Linear) and (p := _current_pack(m)) is not None:
+                packed.append(p)
         huge_pages([p.memory() for p in packed])
 
     # -- rotary tables ------------------------------------------------------------------------------------
