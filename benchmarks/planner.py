@@ -32,7 +32,7 @@ from pivotrl.core.dispatcher import dispatch_all, shift_down, shift_up
 from pivotrl.core.planner import plan
 from pivotrl.core.shiftcost import ShiftCostModel
 from pivotrl.core.state import ClusterState
-from pivotrl.core.types import ReplicaState
+from pivotrl.core.types import ReplicaState, ShiftTimings
 
 REPLICAS = (32, 128, 512, 1024)
 NSEQS = (1_000, 8_000, 32_000, 128_000)
@@ -82,7 +82,7 @@ def build(n_replicas: int, n_seqs: int, seed: int = 0, reward_room: float = 0.5)
             st.update_progress(s, rng.randint(0, int(s.expected_new_tokens or 1)))
     st.plan = IterationPlan(0, rollout_seqs=seqs[Role.ROLLOUT] + seqs[Role.ROLLOUT] // 4, group_size=8)
     costs = ShiftCostModel(prior_s=3.0)
-    costs.observe(Role.ROLLOUT, Role.REWARD, {"offload": 0.5, "fetch": 1.5, "load": 1.0})
+    costs.observe(Role.ROLLOUT, Role.REWARD, ShiftTimings(offload=0.5, fetch=1.5, load=1.0))
     return st, costs
 
 

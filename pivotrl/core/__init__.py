@@ -33,11 +33,12 @@ from pivotrl.core.types import (
     RoleSpec,
     SeqState,
     Sequence,
+    ShiftTimings,
 )
 
 __all__ = [
     "PIPELINE", "Assignment", "Candidate", "Colocated", "Controller", "ControllerConfig", "Decision",
     "DeviceMove", "Disaggregated", "Grouped", "IterationPlan", "PlanReasoning", "Policy", "Replica",
-    "ReplicaShift", "ReplicaState", "Role", "RoleSpec", "SeqState", "Sequence", "ShiftPlan", "Shiftable",
-    "ThroughputModel", "best_static_split", "bottleneck_cost", "make_policy", "static_splits",
+    "ReplicaShift", "ReplicaState", "Role", "RoleSpec", "SeqState", "Sequence", "ShiftPlan", "ShiftTimings",
+    "Shiftable", "ThroughputModel", "best_static_split", "bottleneck_cost", "make_policy", "static_splits",
 ]

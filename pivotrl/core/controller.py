@@ -30,6 +30,7 @@ from pivotrl.core.types import (
     Role,
     RoleSpec,
     Sequence,
+    ShiftTimings,
 )
 
 
@@ -118,17 +119,17 @@ class Controller:
         rep.model.observe(concurrency, step_time_s, tokens)
         self.state.role_models[rep.role].observe(concurrency, step_time_s, tokens)
 
-    def on_shift_done(self, replica_id: str, now: float,
-                      phase_timings: Mapping[str, float] | None = None) -> Decision:
+    def on_shift_done(self, replica_id: str, now: float, timings: ShiftTimings | None = None) -> Decision:
         """Replica `replica_id` finished loading its role; it becomes active and gets work (shift-up
-        migration: queue first, then rebalance from the most loaded replicas). `phase_timings` (seconds per
-        phase, e.g. abort/offload/fetch/load/join) teach the shift-cost model; without them the time since
-        the shift was decided is used."""
+        migration: queue first, then rebalance from the most loaded replicas). `timings`, the phases the
+        driver measured, teach the shift-cost model; without them the time since the shift was decided is
+        used."""
         rep = self.state.replicas.get(replica_id)
         if rep is None or rep.state is not ReplicaState.SHIFTING:
             raise KeyError(f"replica {replica_id} is not shifting")
         started, moves = self._pending.pop(replica_id, (now, ()))
-        timings = dict(phase_timings) if phase_timings else {"total": max(now - started, 0.0)}
+        if timings is None:
+            timings = ShiftTimings.elapsed(now - started)
         for from_role in {m.from_role for m in moves} or {None}:
             self.shift_costs.observe(from_role, rep.role, timings)
         self.state.activate(rep)
@@ -136,7 +137,7 @@ class Controller:
             self.state.device_shifted_at[d] = now
         aborts, assignments = dispatcher.shift_up(self.state, rep.role, [replica_id])
         return self._record(now, f"shift_done:{replica_id}", "shift_up", aborts=aborts, dispatch=assignments,
-                            extra={"phase_timings": timings})
+                            extra={"phase_timings": timings.phases(), "warm": timings.warm})
 
     def on_device_lost(self, device: str, now: float) -> list[Sequence]:
         """A device died. Its replica is dissolved, its sequences re-queued (keeping their tokens) and its
@@ -178,6 +179,27 @@ class Controller:
             self.last_reasoning = last.reasoning
         if plan is None or (not plan.dissolve and not plan.form):
             return None
+        return self._execute(plan, now)
+
+    def request_shift(self, device: str, role: Role | str | None, now: float) -> Decision:
+        """An operator's (or a test's) shift, whatever the policy: dissolve `device`'s replica (its work is
+        aborted and re-dispatched, as for any shift-down) and form a `role` replica on it, with free devices
+        to make up the role's devices per replica; `role` None only frees it. Raises ValueError (and changes
+        nothing) when the device is unknown or too few devices are free."""
+        st = self.state
+        if device not in st.device_role:
+            raise ValueError(f"unknown device {device!r}")
+        to = None if role is None else Role(role)
+        rid = st.device_replica[device]
+        freed = [device] if rid is None else list(st.replicas[rid].devices)
+        form: tuple[tuple[Role, tuple[str, ...]], ...] = ()
+        if to is not None:
+            g = st.config.devices_per_replica(to)
+            others = [d for d in freed if d != device] + [d for d in st.free_devices() if d != device]
+            if len(others) < g - 1:
+                raise ValueError(f"a {to} replica needs {g} devices; {len(others) + 1} available")
+            form = ((to, (device, *others[:g - 1])),)
+        plan = ShiftPlan(() if rid is None else (rid,), form, f"request:{device}->{to}")
         return self._execute(plan, now)
 
     def _execute(self, plan: ShiftPlan, now: float) -> Decision:

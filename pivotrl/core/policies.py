@@ -136,6 +136,9 @@ class Grouped(Policy):
         seen = [r for roles, _ in self.groups for r in roles]
         if len(seen) != len(set(seen)):
             raise ValueError("grouped: a role appears in more than one group")
+        if set(seen) != set(PIPELINE):
+            missing = sorted(str(r) for r in set(PIPELINE) - set(seen))
+            raise ValueError(f"grouped: no group serves {missing}")
         self._devices: list[tuple[str, ...]] | None = None
 
     def _assign(self, state: ClusterState) -> list[tuple[str, ...]]:
@@ -158,6 +161,8 @@ class Grouped(Policy):
             if any(r.state is ReplicaState.SHIFTING for r in reps):
                 continue
             current = reps[0].role if reps else None
+            if current is not None and current not in roles:  # the device set changed under a replica
+                current = None
             free = [d for d in devs if state.device_replica.get(d) is None]
             busy = current is not None and (role_has_work(state, current)
                                             or unsubmitted_rollouts(state, current))
@@ -170,7 +175,7 @@ class Grouped(Policy):
                               None)
                 if target is None:
                     target = roles[0] if current is None else current
-            if target is not current:
+            if target is not current or any(r.role is not target for r in reps):
                 dissolve.extend(rids)
                 free = sorted(free + [d for r in reps for d in r.devices])
             g = state.config.devices_per_replica(target)
@@ -178,6 +183,37 @@ class Grouped(Policy):
         if not dissolve and not form:
             return None
         return ShiftPlan(tuple(dissolve), tuple(form), "grouped")
+
+
+class Manual(Policy):
+    """No shift of its own: the k-th device to join is placed on `initial_roles[k % len]` and keeps that role
+    until an operator (or a test) asks for a shift through `Controller.request_shift`. The baseline for
+    mechanism tests that must steer shifts explicitly, and for a fixed hand-made allocation."""
+
+    name = "manual"
+
+    def __init__(self, initial_roles: list[Role | str] | tuple[Role | str, ...] = (Role.ROLLOUT,)) -> None:
+        super().__init__(None)
+        self.initial_roles = tuple(Role(r) for r in initial_roles)
+        self._placed: set[str] = set()
+
+    def plan(self, state: ClusterState, costs: ShiftCostModel, now: float) -> ShiftPlan | None:
+        if not self.initial_roles:
+            return None
+        form: list[tuple[Role, tuple[str, ...]]] = []
+        pending: dict[Role, list[str]] = {}
+        for device in state.free_devices():  # join order: the state keeps devices in insertion order
+            if device in self._placed:
+                continue  # freed on request: stays free until asked again
+            role = self.initial_roles[len(self._placed) % len(self.initial_roles)]
+            self._placed.add(device)
+            pending.setdefault(role, []).append(device)
+            g = state.config.devices_per_replica(role)
+            if len(pending[role]) == g:
+                form.append((role, tuple(pending.pop(role))))
+        for devices in pending.values():  # not enough devices yet for a whole replica: placed later
+            self._placed.difference_update(devices)
+        return ShiftPlan((), tuple(form), "manual:initial") if form else None
 
 
 class Shiftable(Policy):
@@ -320,16 +356,33 @@ def default_split(state: ClusterState) -> dict[Role, int]:
         return out
 
 
+#: The static grouping `make_policy` uses for a disaggregated run on fewer devices than roles: the best
+#: 2-device grouping of the CPU paradigms benchmark (rollout alone; reward and train time-share a device).
+DEFAULT_GROUPS: tuple[tuple[Role, ...], ...] = ((Role.ROLLOUT,), (Role.REWARD, Role.TRAIN))
+
+
 def make_policy(mode: str, *, static_split: Mapping[Role | str, int] | None = None,
                 initial_split: Mapping[Role | str, int] | None = None,
-                groups: list[tuple[tuple[Role | str, ...], int]] | None = None) -> Policy:
-    """`colocated` | `disaggregated` (with an optional `static_split`) | `shiftable` (optional initial
-    split) | `grouped` (static role groups, `groups` required). A bad mode is a ValueError; the config layer
-    already restricts it."""
+                groups: list[tuple[tuple[Role | str, ...], int]] | None = None,
+                n_devices: int | None = None,
+                initial_roles: list[Role | str] | None = None) -> Policy:
+    """`colocated` | `disaggregated` | `shiftable` | `grouped` | `manual`.
+
+    `disaggregated` is a static split (`static_split`, or searched) when every role can have a device, and
+    the static grouping `groups` otherwise: given `groups`, or given neither a split nor enough devices
+    (`n_devices` below the number of roles) the `DEFAULT_GROUPS`, one device per group but the last, which
+    takes the rest. `grouped` needs `groups`; `manual` places devices on `initial_roles` in join order. A
+    bad mode is a ValueError; the config layer already restricts it."""
+    if mode == "disaggregated" and static_split is None and (
+            groups or (n_devices is not None and n_devices < len(PIPELINE))):
+        mode = "grouped"
+        groups = groups or [(g, 1) for g in DEFAULT_GROUPS]
     if mode == "grouped":
         if not groups:
             raise ValueError("mode 'grouped' needs groups=[(roles, devices), ...]")
         return Grouped(groups)
+    if mode == "manual":
+        return Manual(initial_roles if initial_roles is not None else (Role.ROLLOUT,))
     if mode == "colocated":
         return Colocated(initial_split)
     if mode == "disaggregated":

@@ -8,9 +8,7 @@ role (fetch + load dominate and depend on the model being loaded), then the conf
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
-from pivotrl.core.types import Role
+from pivotrl.core.types import Role, ShiftTimings
 
 
 class ShiftCostModel:
@@ -24,16 +22,17 @@ class ShiftCostModel:
         self.phases: dict[tuple[Role | None, Role], dict[str, float]] = {}
         self.samples: dict[tuple[Role | None, Role], int] = {}
 
-    def observe(self, from_role: Role | None, to_role: Role, phase_timings: Mapping[str, float]) -> float:
-        """Record one measured shift; returns its total duration (sum of phases)."""
-        total = float(sum(max(float(v), 0.0) for v in phase_timings.values()))
+    def observe(self, from_role: Role | None, to_role: Role, timings: ShiftTimings) -> float:
+        """Record one measured shift; returns its duration (the sum of its phases)."""
+        if not isinstance(timings, ShiftTimings):
+            raise TypeError(f"shift timings must be a ShiftTimings, got {type(timings).__name__}")
+        total = timings.total
         key = (from_role, to_role)
         a = self.alpha
         self._pair[key] = total if key not in self._pair else (1 - a) * self._pair[key] + a * total
         self._to[to_role] = total if to_role not in self._to else (1 - a) * self._to[to_role] + a * total
         ph = self.phases.setdefault(key, {})
-        for name, v in phase_timings.items():
-            v = max(float(v), 0.0)
+        for name, v in timings.phases().items():
             ph[name] = v if name not in ph else (1 - a) * ph[name] + a * v
         self.samples[key] = self.samples.get(key, 0) + 1
         return total

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import Any, ClassVar
 
 from pivotrl.core.throughput import ThroughputModel
 
@@ -198,6 +198,44 @@ class ControllerConfig:
 
     def devices_per_replica(self, role: Role) -> int:
         return self.spec(role).devices_per_replica
+
+
+@dataclass(frozen=True)
+class ShiftTimings:
+    """How long one device took to take up a role, phase by phase (seconds), as its driver measured it.
+
+    Phases only: the total is derived, never reported, so no consumer can count a duration twice. `warm`
+    says the role's context was still resident (parked) and only its weights, if any, were refreshed; it is
+    a flag about the shift, not a phase. `other` holds time a driver could not attribute to a phase (a
+    driver that only knows when the shift was decided and when it finished reports it all there).
+    """
+
+    abort: float = 0.0
+    offload: float = 0.0
+    fetch: float = 0.0
+    load: float = 0.0
+    other: float = 0.0
+    warm: bool = False
+
+    PHASES: ClassVar[tuple[str, ...]] = ("abort", "offload", "fetch", "load", "other")
+
+    def __post_init__(self) -> None:
+        for name in self.PHASES:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise ValueError(f"shift phase {name!r} must be a finite number of seconds >= 0, got {v!r}")
+
+    @property
+    def total(self) -> float:
+        return float(sum(getattr(self, name) for name in self.PHASES))
+
+    def phases(self) -> dict[str, float]:
+        return {name: float(getattr(self, name)) for name in self.PHASES}
+
+    @classmethod
+    def elapsed(cls, seconds: float) -> ShiftTimings:
+        """A shift known only by its duration."""
+        return cls(other=max(float(seconds), 0.0))
 
 
 @dataclass(frozen=True)

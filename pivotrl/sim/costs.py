@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+from pivotrl.core.types import ShiftTimings
 from pivotrl.sim.config import CostProfile, GenRoleCost, SimConfig, TrainRoleCost
 
 
@@ -57,16 +58,17 @@ def role_cost(cost: CostProfile, role: str) -> GenRoleCost | TrainRoleCost:
     return getattr(cost, role)
 
 
-def shift_time(cost: CostProfile, role: str) -> tuple[float, dict[str, float]]:
-    """Seconds for one device to take up `role`: offload the old role, fetch weights from GPS, start."""
+def shift_time(cost: CostProfile, role: str, abort: bool = False) -> ShiftTimings:
+    """One device taking up `role`: abort its work (when it had some), offload the old role, fetch weights
+    from GPS, build the new role's engine."""
     rc = role_cost(cost, role)
     tier = cost.gps.tiers[cost.gps.fetch_tier]
-    phases = {
-        "offload": cost.gps.offload_s,
-        "fetch": tier.latency_s + rc.weights_gb / tier.bandwidth_gb_s,
-        "init": rc.init_s,
-    }
-    return sum(phases.values()), phases
+    return ShiftTimings(
+        abort=cost.abort_s if abort else 0.0,
+        offload=cost.gps.offload_s,
+        fetch=tier.latency_s + rc.weights_gb / tier.bandwidth_gb_s,
+        load=rc.init_s,
+    )
 
 
 def barrier_time(cfg: SimConfig, train_replicas: int) -> float:

@@ -44,7 +44,7 @@ def controller_config(cfg: SimConfig) -> ControllerConfig:
             tokens_per_seq_step=e["train_item"],
             prefill_tokens_per_s=c.train.tokens_per_s_per_device * c.train.devices_per_replica),
     }
-    shift_prior = sum(shift_time(c, r)[0] for r in ("rollout", "reward", "train")) / 3.0
+    shift_prior = sum(shift_time(c, r).total for r in ("rollout", "reward", "train")) / 3.0
     s = cfg.scheduler
     return ControllerConfig(roles=roles, horizon_s=s.horizon_s, hysteresis=s.hysteresis,
                             cooldown_s=s.cooldown_s, shift_prior_s=shift_prior, kv_reserve=s.kv_reserve,

@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from pivotrl.core import Decision, Role, Sequence
+from pivotrl.core import Decision, Role, Sequence, ShiftTimings
 from pivotrl.sim.config import ROLES, SimConfig
 from pivotrl.sim.costs import barrier_time, shift_time, step_time, train_rate
 from pivotrl.sim.driver import build_controller, expected, iteration_plan
@@ -264,13 +264,11 @@ class Simulator:
         for sh in dec.shifts:
             role = str(sh.to_role)
             warm_start = self.now == 0.0 and all(m.from_role is None for m in sh.moves)
-            dur, phases = (0.0, {}) if warm_start else shift_time(self.cfg.cost, role)
-            if dec.aborts and not warm_start:
-                dur += self.cfg.cost.abort_s
-                phases = {**phases, "abort": self.cfg.cost.abort_s}
+            timings = ShiftTimings() if warm_start else shift_time(self.cfg.cost, role, bool(dec.aborts))
+            dur = timings.total
             for d in sh.devices:
                 self._set_device(d, "shift")
-            self._push(self.now + dur, "shifted", (sh.replica_id, role, tuple(sh.devices), phases))
+            self._push(self.now + dur, "shifted", (sh.replica_id, role, tuple(sh.devices), timings))
             if not warm_start:
                 self.shift_log.append({
                     "t": self.now, "decision": dec.decision_id, "to": role,
@@ -282,7 +280,7 @@ class Simulator:
                     else dec.reasoning.chosen.benefit})
         self._assign(dec.dispatch)
 
-    def _shift_done(self, rid: str, role: str, devices: tuple[str, ...], phases: dict[str, float]) -> None:
+    def _shift_done(self, rid: str, role: str, devices: tuple[str, ...], timings: ShiftTimings) -> None:
         c = self.cfg.cost
         if role == "train":
             rep: Replica = TrainReplica(rid, role, devices, c.train, t=self.now)
@@ -291,7 +289,7 @@ class Simulator:
         self.reps[rid] = rep
         for d in devices:
             self._set_device(d, role)
-        self._execute(self.ctl.on_shift_done(rid, self.now, phases or None))
+        self._execute(self.ctl.on_shift_done(rid, self.now, timings))
 
     def _tick(self) -> None:
         self._execute(self.ctl.tick(self.now))

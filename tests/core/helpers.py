@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pivotrl.core import Controller, ControllerConfig, Role, RoleSpec, Sequence
+from pivotrl.core import Controller, ControllerConfig, Role, RoleSpec, Sequence, ShiftTimings
 from pivotrl.core.state import ClusterState
 from pivotrl.core.types import ReplicaState
 
@@ -33,8 +33,8 @@ def active_state(cfg: ControllerConfig, per_role: dict[Role, int], now: float = 
     return st
 
 
-def ready(ctl: Controller, now: float, timings: dict[str, float] | None = None) -> None:
+def ready(ctl: Controller, now: float, timings: ShiftTimings | None = None) -> None:
     """Finish every pending shift."""
     for rep in list(ctl.state.replicas.values()):
         if rep.state is ReplicaState.SHIFTING:
-            ctl.on_shift_done(rep.replica_id, now, timings or {"load": 1.0})
+            ctl.on_shift_done(rep.replica_id, now, timings or ShiftTimings(load=1.0))

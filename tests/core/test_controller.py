@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from pivotrl.core import Controller, IterationPlan, Role, RoleSpec, Sequence
+from pivotrl.core import Controller, IterationPlan, Role, RoleSpec, Sequence, ShiftTimings
 from pivotrl.core.types import ReplicaState, SeqState
 
 from .helpers import config, ready, seq
@@ -23,7 +23,7 @@ def test_first_tick_places_free_devices_and_shift_done_gives_them_work() -> None
     assert dec.device_moves and all(m[1] is None and m[2] is Role.ROLLOUT for m in dec.device_moves)
     assert ctl.dispatch(0.0) == []  # shifting replicas get nothing yet
     first = dec.shifts[0].replica_id
-    up = ctl.on_shift_done(first, 1.0, {"fetch": 0.4, "load": 0.6})
+    up = ctl.on_shift_done(first, 1.0, ShiftTimings(fetch=0.4, load=0.6))
     assert up.kind == "shift_up" and {a.replica_id for a in up.dispatch} == {first}
     assert ctl.shift_costs.duration(None, Role.ROLLOUT) == pytest.approx(1.0)
     ctl.check_invariants()

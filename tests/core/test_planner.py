@@ -15,7 +15,7 @@ from pivotrl.core.planner import donor_penalty, plan, role_views, tau
 from pivotrl.core.shiftcost import ShiftCostModel
 from pivotrl.core.state import ClusterState
 from pivotrl.core.throughput import ThroughputModel
-from pivotrl.core.types import ControllerConfig, ReplicaState
+from pivotrl.core.types import ControllerConfig, ReplicaState, ShiftTimings
 
 from ._hyp import CI
 from .helpers import active_state, config, seq
@@ -106,8 +106,8 @@ def random_state(seed: int) -> tuple[ClusterState, ShiftCostModel, float]:
                                  train_tokens_per_group=rng.uniform(100, 3000))
     costs = ShiftCostModel(prior_s=rng.uniform(0.0, 10.0))
     for _ in range(rng.randint(0, 3)):
-        costs.observe(rng.choice([None, *ROLES]), rng.choice(ROLES), {"fetch": rng.uniform(0, 5),
-                                                                      "load": rng.uniform(0, 5)})
+        costs.observe(rng.choice([None, *ROLES]), rng.choice(ROLES), ShiftTimings(
+            fetch=rng.uniform(0, 5), load=rng.uniform(0, 5)))
     return stt, costs, now
 
 
@@ -320,11 +320,11 @@ def test_two_device_reward_replicas_take_pairs() -> None:
 def test_shift_cost_model_learns_per_pair() -> None:
     m = ShiftCostModel(prior_s=5.0, alpha=0.5)
     assert m.duration(Role.ROLLOUT, Role.REWARD) == 5.0
-    m.observe(Role.ROLLOUT, Role.REWARD, {"offload": 1.0, "fetch": 2.0, "load": 1.0})
+    m.observe(Role.ROLLOUT, Role.REWARD, ShiftTimings(offload=1.0, fetch=2.0, load=1.0))
     assert m.duration(Role.ROLLOUT, Role.REWARD) == 4.0
     assert m.duration(Role.TRAIN, Role.REWARD) == 4.0  # borrows the target role's mean
     assert m.duration(Role.REWARD, Role.TRAIN) == 5.0
-    m.observe(Role.ROLLOUT, Role.REWARD, {"offload": 1.0, "fetch": 0.0, "load": 1.0})
+    m.observe(Role.ROLLOUT, Role.REWARD, ShiftTimings(offload=1.0, fetch=0.0, load=1.0))
     assert m.duration(Role.ROLLOUT, Role.REWARD) == 3.0
     assert m.phases[(Role.ROLLOUT, Role.REWARD)]["fetch"] == 1.0
 

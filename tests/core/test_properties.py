@@ -8,7 +8,7 @@ import random
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pivotrl.core import Controller, ControllerConfig, IterationPlan, Role, RoleSpec, Sequence
+from pivotrl.core import Controller, ControllerConfig, IterationPlan, Role, RoleSpec, Sequence, ShiftTimings
 from pivotrl.core.types import Decision, ReplicaState, SeqState
 
 from ._hyp import CI
@@ -125,7 +125,7 @@ def run_interleaving(seed: int) -> None:
             shifting = [r for r in ctl.state.replicas.values() if r.state is ReplicaState.SHIFTING]
             if shifting:
                 rep = rng.choice(shifting)
-                dec = ctl.on_shift_done(rep.replica_id, now, {"fetch": rng.uniform(0, 2), "load": 0.5})
+                dec = ctl.on_shift_done(rep.replica_id, now, ShiftTimings(fetch=rng.uniform(0, 2), load=0.5))
                 _check_decision(ctl, dec)
         elif op == "device_lost" and ctl.state.device_role:
             dev = rng.choice(sorted(ctl.state.device_role))
