@@ -29,6 +29,7 @@ from pivotrl.core.types import (
     ReplicaState,
     Role,
     RoleSpec,
+    SeqState,
     Sequence,
     ShiftTimings,
 )
@@ -180,6 +181,19 @@ class Controller:
         if plan is None or (not plan.dissolve and not plan.form):
             return None
         return self._execute(plan, now)
+
+    def abort(self, seq_ids: Iterable[str], now: float) -> Decision:
+        """An operator's (or a test's) abort: these running sequences wait again at the head of their
+        queue, keeping their tokens, and are re-dispatched by the next `dispatch`."""
+        st = self.state
+        aborts: dict[str, list[str]] = {}
+        for sid in seq_ids:
+            seq = st.seqs.get(sid)
+            if seq is None or seq.state is not SeqState.RUNNING or seq.replica_id is None:
+                continue
+            aborts.setdefault(seq.replica_id, []).append(sid)
+            st.abort(seq)
+        return self._record(now, "request:abort", "abort", aborts=aborts)
 
     def request_shift(self, device: str, role: Role | str | None, now: float) -> Decision:
         """An operator's (or a test's) shift, whatever the policy: dissolve `device`'s replica (its work is

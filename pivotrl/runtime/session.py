@@ -10,7 +10,8 @@ import time
 import uuid
 from typing import Any
 
-from pivotrl.runtime.control import Control
+from pivotrl.core import Controller, IterationPlan
+from pivotrl.runtime.messages import Collected, WorkRequest
 from pivotrl.runtime.scheduler_plugin import PivotSchedulerPlugin
 from pivotrl.runtime.worker_plugin import PivotWorkerPlugin
 
@@ -24,16 +25,17 @@ class RuntimeSession:
         cls,
         client: Any,
         *,
-        control: Control,
+        controller: Controller,
         role_specs: dict[str, dict[str, Any]],
         worker_options: dict[str, Any] | None = None,
         tick_s: float = 0.25,
         sample_s: float = 0.5,
     ) -> RuntimeSession:
-        """Register the scheduler extension (hosting `control`) and the role host on every worker."""
+        """Register the scheduler extension (hosting core's `controller`) and the role host on every
+        worker."""
         session = uuid.uuid4().hex[:12]
         client.register_plugin(
-            PivotSchedulerPlugin(control, role_specs, tick_s=tick_s, sample_s=sample_s, session=session)
+            PivotSchedulerPlugin(controller, role_specs, tick_s=tick_s, sample_s=sample_s, session=session)
         )
         client.register_plugin(PivotWorkerPlugin(**(worker_options or {}), session=session))
         return cls(client)
@@ -42,16 +44,11 @@ class RuntimeSession:
         handler = getattr(self.client.scheduler, name)
         return self.client.sync(handler, **kwargs)
 
-    def submit(self, items: list[dict[str, Any]]) -> int:
-        return self._call("pivotrl_submit", items=items) if items else 0
+    def submit(self, requests: list[WorkRequest]) -> int:
+        return self._call("pivotrl_submit", items=[r.to_wire() for r in requests]) if requests else 0
 
-    def collect(self) -> dict[str, Any]:
-        out = self._call("pivotrl_collect")
-        for res in out["results"]:  # msgpack hands sequences over as tuples
-            for key in ("generated", "logprobs", "items"):
-                if key in res:
-                    res[key] = list(res[key])
-        return out
+    def collect(self) -> Collected:
+        return Collected.from_wire(self._call("pivotrl_collect"))
 
     def state(self) -> dict[str, Any]:
         return self._call("pivotrl_state")
@@ -62,14 +59,14 @@ class RuntimeSession:
     def metrics(self) -> dict[str, Any]:
         return self._call("pivotrl_metrics")
 
-    def shift(self, worker: str, role: str) -> str:
+    def shift(self, worker: str, role: str | None) -> str:
         return self._call("pivotrl_shift", worker=worker, role=role)
 
     def abort(self, items: list[str]) -> int:
         return self._call("pivotrl_abort", items=items)
 
-    def begin_iteration(self, plan: dict[str, Any]) -> None:
-        self._call("pivotrl_begin_iteration", plan=plan)
+    def begin_iteration(self, plan: IterationPlan) -> None:
+        self._call("pivotrl_begin_iteration", plan=dict(plan.__dict__))
 
     def flush(self, iteration: int) -> None:
         self._call("pivotrl_flush", iteration=iteration)

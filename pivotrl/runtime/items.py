@@ -1,0 +1,264 @@
+"""The work-item ledger: where every item is, and the transitions that move it exactly once. No Dask.
+
+Core decides *which* replica runs a sequence; this ledger is the mechanism that gets the item there and
+back: into a worker's outbox, delivered, aborted (its partial tokens kept), finished, and for train items
+accumulated into a device's local gradient sum and done only when that sum is flushed. Each method is one
+transition and returns what happened, so the caller can tell core.
+
+    WAITING ──assign──▶ ASSIGNED ──deliver──▶ RUNNING ──finish──▶ DONE (rollout, reward)
+       ▲                   │                     │  └──finish──▶ ACCUMULATED ──flush──▶ DONE (train)
+       └────── abort / worker lost (tokens kept) ┘◀───────── worker lost ─────┘
+
+An item dispatched to a new worker while its abort is still in flight on the old one waits for its partial
+(`next_worker`), so no item ever runs twice at once, and a late report from a worker the item has left is
+ignored, so no result is counted twice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from pivotrl.runtime.messages import (
+    GradResult,
+    ItemResult,
+    ItemState,
+    Partial,
+    Progress,
+    WorkItem,
+    WorkRequest,
+)
+
+LIVE = (ItemState.WAITING, ItemState.ASSIGNED, ItemState.RUNNING)
+ON_WORKER = (ItemState.ASSIGNED, ItemState.RUNNING, ItemState.ACCUMULATED)
+
+
+@dataclass
+class Item:
+    request: WorkRequest
+    state: ItemState = ItemState.WAITING
+    worker: str | None = None
+    generated: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    attempts: int = 0
+    next_worker: str | None = None  # dispatched there while its abort is still in flight
+
+    @property
+    def id(self) -> str:
+        return self.request.id
+
+    @property
+    def role(self) -> str:
+        return self.request.role
+
+    @property
+    def iteration(self) -> int:
+        return self.request.iteration
+
+
+class ItemLedger:
+    def __init__(self) -> None:
+        self.items: dict[str, Item] = {}
+        self.outbox: dict[str, list[str]] = {}  # worker → ids assigned, not yet delivered
+        self.aborts: dict[str, list[str]] = {}  # worker → ids whose abort it must run
+        self.results: list[ItemResult] = []
+        self.grads: list[GradResult] = []
+
+    # -- new work -------------------------------------------------------------------------------------
+    def add(self, request: WorkRequest) -> Item:
+        if request.id in self.items:
+            raise ValueError(f"duplicate item id {request.id!r}")
+        item = Item(request, generated=list(request.generated), logprobs=list(request.logprobs))
+        self.items[request.id] = item
+        return item
+
+    # -- placement ------------------------------------------------------------------------------------
+    def assign(self, item_id: str, worker: str) -> bool:
+        """Put a waiting item in `worker`'s outbox; an item still running elsewhere (its abort in flight)
+        goes there when its partial comes back. True if it is in the outbox now."""
+        item = self.items.get(item_id)
+        if item is None:
+            return False
+        if item.state in (ItemState.ASSIGNED, ItemState.RUNNING):  # its abort is in flight
+            item.next_worker = worker
+            return False
+        if item.state is not ItemState.WAITING:
+            return False
+        item.state, item.worker = ItemState.ASSIGNED, worker
+        self.outbox.setdefault(worker, []).append(item_id)
+        return True
+
+    def deliver(self, worker: str) -> list[WorkItem]:
+        """The worker's outbox, handed over: its items are RUNNING from now on."""
+        out = []
+        for item_id in self.outbox.pop(worker, ()):
+            item = self.items.get(item_id)
+            if item is None or item.state is not ItemState.ASSIGNED or item.worker != worker:
+                continue
+            item.state = ItemState.RUNNING
+            out.append(WorkItem(item.id, item.role, item.request.payload, item.iteration,
+                                list(item.generated), list(item.logprobs), item.attempts))
+        return out
+
+    def take_aborts(self, worker: str) -> list[str]:
+        return self.aborts.pop(worker, [])
+
+    # -- coming back ----------------------------------------------------------------------------------
+    def request_abort(self, item_id: str) -> Item | None:
+        """Stop an item where it is. An undelivered one is back to WAITING at once (returned); a running
+        one is aborted by its worker, whose partial comes back through `aborted`."""
+        item = self.items.get(item_id)
+        if item is None or item.worker is None:
+            return None
+        if item.state is ItemState.ASSIGNED:
+            box = self.outbox.get(item.worker, [])
+            if item_id in box:
+                box.remove(item_id)
+            self._requeue(item)
+            return item
+        if item.state is ItemState.RUNNING:
+            queue = self.aborts.setdefault(item.worker, [])
+            if item_id not in queue:
+                queue.append(item_id)
+        return None
+
+    def aborted(self, worker: str, partial: Partial) -> Item | None:
+        """A worker handed an item back with its partial tokens: WAITING again (or straight to the worker it
+        was dispatched to meanwhile). None for a report about an item the worker no longer holds."""
+        item = self.items.get(partial.id)
+        if item is None or item.worker != worker or item.state not in (ItemState.RUNNING,
+                                                                       ItemState.ASSIGNED):
+            return None
+        item.generated, item.logprobs = list(partial.generated), list(partial.logprobs)
+        self._requeue(item)
+        return item
+
+    def progress(self, worker: str, report: Progress) -> Item | None:
+        item = self.items.get(report.id)
+        if item is None or item.worker != worker or item.state is not ItemState.RUNNING:
+            return None
+        if report.offset > len(item.generated):
+            return None  # a gap: a report was lost; the next abort or finish carries every token
+        item.generated[report.offset:] = report.tokens
+        item.logprobs[report.offset:] = report.logprobs
+        return item
+
+    def finished(self, worker: str, result: ItemResult) -> Item | None:
+        """An item finished on `worker`. Generation items are DONE and their result kept for the driver;
+        train items are ACCUMULATED until the worker's gradient sum is flushed. None for a late duplicate."""
+        item = self.items.get(result.id)
+        if item is None or item.worker != worker or item.state not in (ItemState.RUNNING,
+                                                                       ItemState.ASSIGNED):
+            return None
+        if item.state is ItemState.ASSIGNED:
+            box = self.outbox.get(worker, [])
+            if item.id in box:
+                box.remove(item.id)
+        item.next_worker = None
+        if item.role == "train":
+            item.state = ItemState.ACCUMULATED
+            return item
+        item.state = ItemState.DONE
+        result.role, result.iteration, result.worker = item.role, item.iteration, worker
+        self.results.append(result)
+        del self.items[item.id]
+        return item
+
+    def flushed(self, worker: str, grad: GradResult) -> list[str]:
+        """`worker` published its gradient sum: the ACCUMULATED items it covers are DONE. Returns them (an
+        item the sum names but the ledger gave to someone else is not counted: it is trained elsewhere)."""
+        ids = [i for i in grad.items
+               if (it := self.items.get(i)) is not None and it.worker == worker
+               and it.state is ItemState.ACCUMULATED]
+        for item_id in ids:
+            self.items[item_id].state = ItemState.DONE
+            del self.items[item_id]
+        if ids:
+            grad.items, grad.worker = ids, worker
+            self.grads.append(grad)
+        return ids
+
+    def undeliver(self, worker: str) -> list[Item]:
+        """Take back `worker`'s undelivered assignments (it is shifting): WAITING again."""
+        back = []
+        for item_id in self.outbox.pop(worker, ()):
+            item = self.items.get(item_id)
+            if item is not None and item.state is ItemState.ASSIGNED and item.worker == worker:
+                self._requeue(item)
+                back.append(item)
+        self.aborts.pop(worker, None)
+        return back
+
+    def worker_lost(self, worker: str) -> list[tuple[Item, bool]]:
+        """Every item on a lost worker goes back to WAITING with the tokens last reported; returns each
+        with whether it was ACCUMULATED (finished once, but its gradient was never flushed: new work)."""
+        self.outbox.pop(worker, None)
+        self.aborts.pop(worker, None)
+        back = []
+        for item in self.items.values():
+            if item.next_worker == worker:
+                item.next_worker = None
+            if item.worker == worker and item.state in ON_WORKER:
+                accumulated = item.state is ItemState.ACCUMULATED
+                self._requeue(item, follow=False)
+                back.append((item, accumulated))
+        for item, _ in back:
+            self._follow(item)
+        return back
+
+    def _requeue(self, item: Item, follow: bool = True) -> None:
+        item.state, item.worker = ItemState.WAITING, None
+        item.attempts += 1
+        if follow:
+            self._follow(item)
+
+    def _follow(self, item: Item) -> None:
+        target, item.next_worker = item.next_worker, None
+        if target is not None:
+            self.assign(item.id, target)
+
+    # -- barriers and views ---------------------------------------------------------------------------
+    def flush_holders(self, upto: int) -> set[str]:
+        """Workers whose gradient sums hold train items of iterations ≤ `upto`, once no such item is still
+        waiting or running anywhere (empty before that)."""
+        holders = set()
+        for item in self.items.values():
+            if item.role != "train" or item.iteration > upto:
+                continue
+            if item.state in LIVE:
+                return set()
+            if item.state is ItemState.ACCUMULATED and item.worker is not None:
+                holders.add(item.worker)
+        return holders
+
+    def drained(self, roles: Iterable[str]) -> bool:
+        """Has one of `roles` no item left waiting, assigned or running?"""
+        busy = {i.role for i in self.items.values() if i.state in LIVE}
+        return bool(set(roles) - busy)
+
+    def counts(self) -> dict[str, dict[str, int]]:
+        out: dict[str, dict[str, int]] = {}
+        for item in self.items.values():
+            c = out.setdefault(item.role, {})
+            c[str(item.state)] = c.get(str(item.state), 0) + 1
+        return out
+
+    def take_results(self) -> tuple[list[ItemResult], list[GradResult]]:
+        results, grads = self.results, self.grads
+        self.results, self.grads = [], []
+        return results, grads
+
+    def check(self) -> None:
+        """Every outbox entry is an ASSIGNED item of that worker, every ASSIGNED item is in its outbox."""
+        boxed = {(w, i) for w, ids in self.outbox.items() for i in ids}
+        assert len(boxed) == sum(len(v) for v in self.outbox.values()), "an item is boxed twice"
+        for w, i in boxed:
+            item = self.items[i]
+            assert item.state is ItemState.ASSIGNED and item.worker == w, (i, item.state, item.worker, w)
+        for item in self.items.values():
+            if item.state is ItemState.ASSIGNED:
+                assert (item.worker, item.id) in boxed, item.id
+            if item.state is ItemState.WAITING:
+                assert item.worker is None, item.id
+            if item.state in ON_WORKER:
+                assert item.worker is not None, item.id
