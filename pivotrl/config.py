@@ -157,6 +157,33 @@ class ClusterConfig(Section):
     torch_threads: int = Field(1, ge=1)
 
 
+class SchedulerPriors(Section):
+    """What core assumes before it has measured anything (the throughput fit and the shift-cost model
+    then learn online). CPU-sized defaults."""
+
+    rollout_step_a_s: float = Field(
+        0.01, gt=0.0, description="rollout: a of step_time(n) ≈ a + b·n s, n sequences, before measurements"
+    )
+    rollout_step_b_s: float = Field(
+        0.0005, ge=0.0, description="rollout: b of step_time(n) ≈ a + b·n s, before measurements"
+    )
+    reward_step_a_s: float = Field(
+        0.01, gt=0.0, description="reward: a of step_time(n) ≈ a + b·n s, n sequences, before measurements"
+    )
+    reward_step_b_s: float = Field(
+        0.0005, ge=0.0, description="reward: b of step_time(n) ≈ a + b·n s, before measurements"
+    )
+    train_step_a_s: float = Field(
+        0.01, gt=0.0, description="train: a of step_time(n) ≈ a + b·n s, n sequences, before measurements"
+    )
+    train_step_b_s: float = Field(
+        0.0002, ge=0.0, description="train: b of step_time(n) ≈ a + b·n s, before measurements"
+    )
+    shift_s: float = Field(
+        1.0, gt=0.0, description="assumed shift duration (seconds) before any shift was measured"
+    )
+
+
 class SchedulerConfig(Section):
     mode: Literal["colocated", "disaggregated", "shiftable"] = "shiftable"
     static_split: dict[str, int] | None = None
@@ -167,6 +194,7 @@ class SchedulerConfig(Section):
     hysteresis: float = Field(0.05, ge=0.0)
     cooldown_s: float = Field(2.0, ge=0.0)
     tick_s: float = Field(0.25, gt=0.0)
+    priors: SchedulerPriors = SchedulerPriors()
 
 
 class GPSConfig(Section):

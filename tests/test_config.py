@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pivotrl.config import UNREAD_FIELDS, PipelineConfig, load_config
+from pivotrl.config import UNREAD_FIELDS, PipelineConfig, SchedulerPriors, load_config
 from pivotrl.errors import UserError
 
 
@@ -135,3 +135,25 @@ def test_random_non_default_values_of_unread_fields_raise_one_line(field, value)
         section = getattr(section, part)
     assert getattr(section, name) == type(section).model_fields[name].default
     assert isinstance(cfg, PipelineConfig)
+
+
+def test_scheduler_priors_load_and_validate(tmp_path):
+    cfg = load_config(None)
+    p = cfg.scheduler.priors
+    assert (p.rollout_step_a_s, p.rollout_step_b_s, p.reward_step_a_s, p.reward_step_b_s) == (
+        0.01, 0.0005, 0.01, 0.0005
+    )
+    assert (p.train_step_a_s, p.train_step_b_s, p.shift_s) == (0.01, 0.0002, 1.0)
+    for name, info in SchedulerPriors.model_fields.items():
+        assert info.description and "\n" not in info.description, name
+    f = tmp_path / "c.yaml"
+    f.write_text("scheduler:\n  priors: {train_step_b_s: 0.001, shift_s: 2.5}\n")
+    cfg = load_config(f, overrides=["scheduler.priors.rollout_step_b_s=0"])
+    assert cfg.scheduler.priors.train_step_b_s == 0.001 and cfg.scheduler.priors.shift_s == 2.5
+    assert cfg.scheduler.priors.rollout_step_b_s == 0.0
+    for bad in ("scheduler.priors.rollout_step_a_s=0", "scheduler.priors.shift_s=-1",
+                "scheduler.priors.train_step_b_s=-0.1", "scheduler.priors.reward_step_a_s=fast",
+                "scheduler.priors.step_c_s=1"):
+        with pytest.raises(UserError) as exc:
+            load_config(f, overrides=[bad])
+        assert bad.split("=")[0] in str(exc.value) and "\n" not in str(exc.value)
