@@ -106,7 +106,7 @@ class IterationCost(Section):
 
 
 class CostProfile(Section):
-    gpu: str = "H100-SXM-80GB"
+    gpu: str = Field("H100-SXM-80GB", description="the device the profile describes (a label in reports)")
     rollout: GenRoleCost
     reward: GenRoleCost
     train: TrainRoleCost
@@ -117,7 +117,9 @@ class CostProfile(Section):
 
 class ClusterConfig(Section):
     devices: int = Field(32, ge=1)
-    devices_per_node: int = Field(8, ge=1)
+    devices_per_node: int = Field(
+        8, ge=1, description="not supported yet: the simulator does not model nodes"
+    )
 
 
 class SchedulerConfig(Section):
@@ -157,12 +159,17 @@ class SimConfig(Section):
     cost: CostProfile
     scheduler: SchedulerConfig = SchedulerConfig()
     search: SearchConfig = SearchConfig()
-    static_split: dict[str, int] | None = Field(None, description="devices per role; default: searched")
+    static_split: dict[str, int] | None = Field(
+        None, description="devices per role of the static (disaggregated) baseline; None: searched"
+    )
     max_sim_time_s: float = Field(1e7, gt=0, description="safety stop for a run that cannot finish")
 
     @model_validator(mode="after")
     def _check(self) -> SimConfig:
         c = self.cost
+        if self.cluster.devices_per_node != ClusterConfig.model_fields["devices_per_node"].default:
+            raise ValueError("cluster.devices_per_node: not supported yet (the simulator does not model "
+                             "nodes); remove it")
         # Fewer devices than one replica per role is allowed (e.g. 2 CPU workers, 3 roles): colocated and
         # shiftable time-share them, and the static baseline groups roles on devices (`compare`).
         need = max(c.reward.devices_per_replica, c.rollout.devices_per_replica, c.train.devices_per_replica)
@@ -172,6 +179,9 @@ class SimConfig(Section):
             bad = sorted(set(self.static_split) - set(ROLES))
             if bad:
                 raise ValueError(f"static_split has unknown role(s) {bad}")
+            if sum(self.static_split.values()) > self.cluster.devices:
+                raise ValueError(f"static_split: {self.static_split} uses more than cluster.devices "
+                                 f"({self.cluster.devices})")
         return self
 
 
