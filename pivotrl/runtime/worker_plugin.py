@@ -105,9 +105,8 @@ class PivotWorkerPlugin(WorkerPlugin):
         self.idle_poll_s = idle_poll_s
         self.progress_every_s = progress_every_s
         # While the engine streams, sync at most this often (a command or a finished item waits at most
-        # this long); shift/flush/abort results and an idle engine sync at once. Measured on the debug
-        # models: a round trip costs ~0.5-1 ms of the device's CPU (serialising, the comm, the reply), so
-        # syncing after every 3 ms step took ~10 % of the device.
+        # this long); shift/flush/abort results and an idle engine sync at once. A round trip costs the
+        # device CPU time (see docs/decisions.md#a-streaming-worker-syncs-at-most-every-sync_every_s).
         self.sync_every_s = sync_every_s
         self.contexts = {**DEFAULT_CONTEXTS, **(contexts or {})}
         # Keep the built context of a role the device leaves ("parked", like vLLM's sleep mode) so shifting

@@ -137,8 +137,9 @@ class SchedulerConfig(Section):
         1e9, gt=0, description="core's ControllerConfig.prior_weight: weighted step samples before the "
         "throughput fit's own slope replaces the cost profile's (the fit's weights decay 0.95 per sample, so "
         "anything above 20 means never: the profile's step-time shape, which holds the mean context cost, is "
-        "only scaled to the measured step time). With the default 2 of core, a slope fitted on a stage's "
-        "first short-context steps under-predicted tail step times: the 512-GPU sweep lost 10-13 %")
+        "only scaled to the measured step time), as a slope fitted on a stage's first short-context steps "
+        "under-predicts tail step times "
+        "(see docs/decisions.md#the-simulator-never-replaces-the-profiles-slope)")
     dispatch_batch_s: float = Field(
         0.02, ge=0, description="results are reported in batches: dispatch runs at most once per window")
 
