@@ -43,11 +43,10 @@ class SeqState(StrEnum):
 
 class ReplicaState(StrEnum):
     """`shifting`: formed by a decision, loading its role context, not yet dispatchable.
-    `active`: serving its role. `idle` is never stored on a replica; free devices have no replica."""
+    `active`: serving its role. There is no idle state: free devices have no replica."""
 
     ACTIVE = "active"
     SHIFTING = "shifting"
-    IDLE = "idle"
 
 
 @dataclass(eq=False)
