@@ -66,10 +66,7 @@ def workload(quick: bool, storage: Path, model_size: str) -> Any:
         "task": {
             "name": "sort",
             # 32 x 4 = 128 samples: more than one engine batch (max_batch 32), as in any real RL iteration
-            # (the paper's has 8,192). With 8 prompts (32 samples, the first session's quick size) every
-            # role's work fits one device's batch, so splitting a role over both devices gains nothing on
-            # an overhead-bound CPU decode and no dynamic scheme can beat a static pipeline; measured and
-            # reported in docs/runtime.md (`--set task.prompts_per_iteration=8`).
+            # (see docs/decisions.md#the-paradigms-benchmark-iteration-exceeds-one-engine-batch).
             "prompts_per_iteration": 32 if quick else 64,
             "group_size": 4,
             "eval_prompts": 0,

@@ -43,11 +43,15 @@ class RunConfig(Section):
 
 
 class ModelRef(Section):
-    """A model: either a bootstrap preset built here (`size`) or a Hugging Face directory (`path`)."""
+    """A model: a Hugging Face directory (`path`), or, without one, the bootstrap model built here (its
+    shape comes from `train.sft` for the policy and `reward.sft` for the judge)."""
 
     name: str = Field(..., min_length=1, description="name in the Global Parameter Storage")
-    size: Literal["debug", "small"] | None = "small"
-    path: str | None = None
+    size: Literal["debug", "small"] | None = Field(
+        None, description="not read: the bootstrap preset is train.sft.base_size / reward.sft.base_size; "
+        "any value is an error"
+    )
+    path: str | None = Field(None, description="a Hugging Face model directory; None: the bootstrap model")
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
 
 
@@ -61,8 +65,10 @@ class TaskConfig(Section):
     prompts_per_iteration: int = Field(32, ge=1)
     group_size: int = Field(4, ge=1)
     eval_prompts: int = Field(200, ge=0)
-    dataset: str | None = None
-    on_bad_row: Literal["error", "skip"] = "error"
+    dataset: str | None = Field(None, description="not supported yet (a later issue wires datasets)")
+    on_bad_row: Literal["error", "skip"] = Field(
+        "error", description="not supported yet: what a bad dataset row does (with `dataset`)"
+    )
     options: dict[str, Any] = Field(default_factory=dict)
 
 
@@ -151,6 +157,33 @@ class ClusterConfig(Section):
     torch_threads: int = Field(1, ge=1)
 
 
+class SchedulerPriors(Section):
+    """What core assumes before it has measured anything (the throughput fit and the shift-cost model
+    then learn online). CPU-sized defaults."""
+
+    rollout_step_a_s: float = Field(
+        0.01, gt=0.0, description="rollout: a of step_time(n) ≈ a + b·n s, n sequences, before measurements"
+    )
+    rollout_step_b_s: float = Field(
+        0.0005, ge=0.0, description="rollout: b of step_time(n) ≈ a + b·n s, before measurements"
+    )
+    reward_step_a_s: float = Field(
+        0.01, gt=0.0, description="reward: a of step_time(n) ≈ a + b·n s, n sequences, before measurements"
+    )
+    reward_step_b_s: float = Field(
+        0.0005, ge=0.0, description="reward: b of step_time(n) ≈ a + b·n s, before measurements"
+    )
+    train_step_a_s: float = Field(
+        0.01, gt=0.0, description="train: a of step_time(n) ≈ a + b·n s, n sequences, before measurements"
+    )
+    train_step_b_s: float = Field(
+        0.0002, ge=0.0, description="train: b of step_time(n) ≈ a + b·n s, before measurements"
+    )
+    shift_s: float = Field(
+        1.0, gt=0.0, description="assumed shift duration (seconds) before any shift was measured"
+    )
+
+
 class SchedulerConfig(Section):
     mode: Literal["colocated", "disaggregated", "shiftable"] = "shiftable"
     static_split: dict[str, int] | None = None
@@ -161,13 +194,28 @@ class SchedulerConfig(Section):
     hysteresis: float = Field(0.05, ge=0.0)
     cooldown_s: float = Field(2.0, ge=0.0)
     tick_s: float = Field(0.25, gt=0.0)
+    priors: SchedulerPriors = SchedulerPriors()
 
 
 class GPSConfig(Section):
     root: str | None = Field(None, description="persistent tier; default <storage_root>/gps")
     host_tier: str | None = Field(None, description="node-local fast tier, e.g. /dev/shm/pivotrl")
     device_tier_bytes: int = Field(2 << 30, ge=0)
-    keep_last: int = Field(3, ge=1)
+    keep_last: int = Field(
+        3, ge=1, description="not supported yet: policy versions are not garbage-collected (a later issue)"
+    )
+
+
+UNREAD_FIELDS: dict[str, str] = {
+    # dotted field -> why it may not be set (to anything but its default)
+    "task.dataset": "not supported yet (datasets arrive with the real-jobs work)",
+    "task.on_bad_row": "not supported yet (datasets arrive with the real-jobs work)",
+    "gps.keep_last": "not supported yet (policy versions are not garbage-collected yet)",
+    "models.policy.size": "not read (the bootstrap preset is train.sft.base_size)",
+    "models.genrm.size": "not read (the bootstrap preset is reward.sft.base_size)",
+    "train.sft.init": "not read (judge only: reward.sft.init)",
+    "reward.sft.sloppy": "not read (policy only: train.sft.sloppy)",
+}
 
 
 class PipelineConfig(Section):
@@ -182,6 +230,20 @@ class PipelineConfig(Section):
     cluster: ClusterConfig = ClusterConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     gps: GPSConfig = GPSConfig()
+
+    @model_validator(mode="after")
+    def _check_unread(self) -> PipelineConfig:
+        """A known key that is silently ignored is worse than an unknown one: fields nothing reads yet are
+        accepted only at their defaults."""
+        for dotted, why in UNREAD_FIELDS.items():
+            *path, name = dotted.split(".")
+            section: BaseModel = self
+            for part in path:
+                section = getattr(section, part)
+            default = type(section).model_fields[name].default
+            if getattr(section, name) != default:
+                raise ValueError(f"{dotted}: {why}; remove it")
+        return self
 
     @model_validator(mode="after")
     def _check_split(self) -> PipelineConfig:
@@ -255,8 +317,11 @@ def apply_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...]
 
 def _format_error(source: str, exc: ValidationError) -> str:
     err = exc.errors()[0]
-    field = ".".join(str(p) for p in err["loc"]) or "<root>"
+    field = ".".join(str(p) for p in err["loc"])
     msg = err["msg"]
+    if not field and err["type"] == "value_error":  # a whole-config check: its message names the field
+        return f"{source}: {msg.removeprefix('Value error, ')}"
+    field = field or "<root>"
     if err["type"] == "extra_forbidden":
         msg = "unknown field"
     got = err.get("input")

@@ -2,8 +2,10 @@ import subprocess
 import sys
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from pivotrl.config import PipelineConfig, load_config
+from pivotrl.config import UNREAD_FIELDS, PipelineConfig, SchedulerPriors, load_config
 from pivotrl.errors import UserError
 
 
@@ -50,3 +52,108 @@ def test_bad_yaml_and_missing_file(tmp_path):
 def test_cli_reports_unknown_command_with_exit_2():
     proc = subprocess.run([sys.executable, "-m", "pivotrl.cli", "frobnicate"], capture_output=True, text=True)
     assert proc.returncode == 2 and "unknown command" in proc.stderr and "Traceback" not in proc.stderr
+
+
+# ----------------------------------------------------------------------------------------------------
+# No known key silently ignored: fields nothing reads yet are errors unless left at their defaults
+# ----------------------------------------------------------------------------------------------------
+
+# one non-default value per unread field, as `--set` writes it (models.* need their required name)
+NON_DEFAULT = {
+    "task.dataset": ["task.dataset=data/train.jsonl"],
+    "task.on_bad_row": ["task.on_bad_row=skip"],
+    "gps.keep_last": ["gps.keep_last=5"],
+    "models.policy.size": ["models.policy.name=policy", "models.policy.size=debug"],
+    "models.genrm.size": ["models.genrm.name=genrm", "models.genrm.size=small"],
+    "train.sft.init": ["train.sft.init=policy"],
+    "reward.sft.sloppy": ["reward.sft.sloppy=0.5"],
+}
+
+
+def test_every_unread_field_has_a_case():
+    assert set(NON_DEFAULT) == set(UNREAD_FIELDS)
+
+
+@pytest.mark.parametrize("field", sorted(NON_DEFAULT))
+def test_unread_field_set_is_a_one_line_error(tmp_path, field):
+    f = tmp_path / "c.yaml"
+    f.write_text("run:\n  iterations: 2\n")
+    with pytest.raises(UserError) as exc:
+        load_config(f, overrides=NON_DEFAULT[field])
+    msg = str(exc.value)
+    assert exc.value.exit_code == 2
+    assert msg.startswith(f"{f}: {field}: not ") and msg.endswith("remove it") and "\n" not in msg
+
+
+@pytest.mark.parametrize(
+    "sets",
+    [
+        ["task.dataset=null", "task.on_bad_row=error", "gps.keep_last=3"],
+        ["models.policy.name=p", "models.policy.size=null", "train.sft.init=scratch", "reward.sft.sloppy=0"],
+        ["reward.sft.init=policy", "train.sft.sloppy=0.5"],  # the roles that do read them
+    ],
+)
+def test_unread_fields_at_their_defaults_are_accepted(sets):
+    load_config(None, overrides=sets)
+
+
+def test_cli_reports_an_unread_field_with_exit_2(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("gps:\n  keep_last: 2\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pivotrl.cli", "bootstrap", str(f)], capture_output=True, text=True
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    why = UNREAD_FIELDS["gps.keep_last"]
+    assert proc.stderr.strip().splitlines() == [f"error: {f}: gps.keep_last: {why}; remove it"]
+
+
+_scalars = st.one_of(
+    st.text(alphabet="abcdefghij_./0123456789", min_size=1, max_size=12),
+    st.integers(min_value=-5, max_value=10**6),
+    st.floats(min_value=-1.0, max_value=1.0, allow_nan=False),
+    st.sampled_from(["skip", "error", "policy", "scratch", "debug", "small", "true", "null"]),
+)
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(field=st.sampled_from(sorted(UNREAD_FIELDS)), value=_scalars)
+def test_random_non_default_values_of_unread_fields_raise_one_line(field, value):
+    sets = [f"{field}={value}"]
+    if field.startswith("models."):
+        sets.insert(0, f"{field.rsplit('.', 1)[0]}.name=m")
+    try:
+        cfg = load_config(None, overrides=sets)
+    except UserError as exc:
+        msg = str(exc)
+        assert "\n" not in msg and field in msg
+        return
+    # accepted: only when the value parsed to the field's default
+    *path, name = field.split(".")
+    section = cfg
+    for part in path:
+        section = getattr(section, part)
+    assert getattr(section, name) == type(section).model_fields[name].default
+    assert isinstance(cfg, PipelineConfig)
+
+
+def test_scheduler_priors_load_and_validate(tmp_path):
+    cfg = load_config(None)
+    p = cfg.scheduler.priors
+    assert (p.rollout_step_a_s, p.rollout_step_b_s, p.reward_step_a_s, p.reward_step_b_s) == (
+        0.01, 0.0005, 0.01, 0.0005
+    )
+    assert (p.train_step_a_s, p.train_step_b_s, p.shift_s) == (0.01, 0.0002, 1.0)
+    for name, info in SchedulerPriors.model_fields.items():
+        assert info.description and "\n" not in info.description, name
+    f = tmp_path / "c.yaml"
+    f.write_text("scheduler:\n  priors: {train_step_b_s: 0.001, shift_s: 2.5}\n")
+    cfg = load_config(f, overrides=["scheduler.priors.rollout_step_b_s=0"])
+    assert cfg.scheduler.priors.train_step_b_s == 0.001 and cfg.scheduler.priors.shift_s == 2.5
+    assert cfg.scheduler.priors.rollout_step_b_s == 0.0
+    for bad in ("scheduler.priors.rollout_step_a_s=0", "scheduler.priors.shift_s=-1",
+                "scheduler.priors.train_step_b_s=-0.1", "scheduler.priors.reward_step_a_s=fast",
+                "scheduler.priors.step_c_s=1"):
+        with pytest.raises(UserError) as exc:
+            load_config(f, overrides=[bad])
+        assert bad.split("=")[0] in str(exc.value) and "\n" not in str(exc.value)

@@ -286,13 +286,12 @@ def keep_limit(views: dict[Role, RoleView], role: Role | None, to_role: Role | N
     ms = np.arange(v.replicas, v.replicas - limit - 1, -1)
     thr = v.throughput_many(ms)
     # Spare: the remaining replicas still hold every sequence (nothing queues), at ≤ `slack` cost in
-    # throughput and in step time (each sequence's speed: a long-tailed stage ends with its longest one).
-    # (Measured against an absolute "unloaded step" instead, rollout kept every device until its very
-    # tail and the paper-32gpu simulation lost the overlap: 340 s vs 295 s per iteration.)
+    # throughput and in step time (each sequence's speed: a long-tailed stage ends with its longest one),
+    # both against the current allocation's own step time, not an unloaded one, so the tail's spare capacity
+    # flows downstream while rollout runs (see docs/decisions.md#spare-is-judged-against-the-current-step).
     step = v.step_many(ms)
-    # (Measured against the allocation before the last cooldown's donations, or the iteration's, the slack
-    # cost 2-9 % on the paper config and 8-GPU points: compounding per tick is what small clusters want;
-    # the count bound below is what stops it at scale.)
+    # The slack compounds per tick (judged against the current allocation); the count bound below is what
+    # stops it at scale (see docs/decisions.md#the-slack-compounds-per-tick).
     spare = ((ms * v.cap >= v.seqs + v.arriving_seqs) & (thr >= thr[0] * (1 - slack))
              & (step <= step[0] * (1 + slack)))
     ref_m = v.replicas + v.donated
@@ -307,12 +306,13 @@ def keep_limit(views: dict[Role, RoleView], role: Role | None, to_role: Role | N
         tau_d = work_d / np.maximum(thr, 1e-300)
         tau_u = (vu.work + vu.arriving_work) / np.maximum(vu.throughput_many(vu.replicas + gained), 1e-300)
         ahead = (ms * v.cap >= v.seqs + v.arriving_seqs) & (tau_d <= ahead_factor * tau_u) & (ms > 0)
-        # Only where one replica is more than `slack` of the role: there no busy replica can ever be spare.
-        # (Applied at any size it cost rollout-heavy-32 5 %: with many replicas the slack rule resolves.)
+        # Only where one replica is more than `slack` of the role: there no busy replica can ever be spare;
+        # with many replicas the slack rule resolves (see docs/decisions.md#upstream-ahead).
         ok = spare | ahead if v.replicas * slack < 1.0 else spare
         # Rate limit, independent of the throughput fit: within a cooldown a role two stages upstream
         # (rollout for train) gives up at most `rate` of the replicas it had (at least `floor`), beyond
-        # replicas it cannot keep busy. (Applied to rollout -> reward too it cost reward-heavy-512 7 %.)
+        # replicas it cannot keep busy; not rollout -> reward, which it would slow
+        # (see docs/decisions.md#upstream-rate).
         if PIPELINE.index(to_role) - PIPELINE.index(role) >= 2:
             ok = ok & ((ref_m - ms <= max(rate * ref_m, floor)) | (ms >= v.seqs + v.arriving_seqs))
     else:

@@ -43,11 +43,10 @@ class SeqState(StrEnum):
 
 class ReplicaState(StrEnum):
     """`shifting`: formed by a decision, loading its role context, not yet dispatchable.
-    `active`: serving its role. `idle` is never stored on a replica; free devices have no replica."""
+    `active`: serving its role. There is no idle state: free devices have no replica."""
 
     ACTIVE = "active"
     SHIFTING = "shifting"
-    IDLE = "idle"
 
 
 @dataclass(eq=False)
@@ -146,10 +145,9 @@ class ControllerConfig:
     horizon_s: H, the look-ahead over which the planner counts expected work (step 4).
     hysteresis: a plan must beat `hysteresis × H × devices moved` (device-seconds) to be taken, so the
         planner does not flap between near-equal allocations (waived for a role with work and no replica).
-    cooldown_s: a device that just shifted may not shift again for this long. (Measured and rejected:
-        exempting first placements cost rollout-heavy-512 18 % - the cooldown after the initial placement
-        is what keeps iteration 0's first decisions from trusting a throughput fit with no samples yet -
-        and blocking only the way back cost rollout-heavy-128 17 % - churn.)
+    cooldown_s: a device that just shifted may not shift again for this long, first placements and both
+        directions included: it keeps iteration 0's first decisions off a throughput fit with no samples
+        yet, and stops churn (see docs/decisions.md#cooldown-applies-to-every-shift).
     decay: per-sample recency weight of the throughput fit (older samples weigh decay**age).
     prior_weight: weighted samples needed (with spread in concurrency) before the fitted slope replaces
         the prior's.
@@ -161,14 +159,14 @@ class ControllerConfig:
         them, its drain time is at most this fraction of the receiver's (with them): the receiver has queued
         work for longer than the slower upstream runs (2 devices: once rollout's tail fits on one device,
         the other judges finished rollouts). A fraction, not 1, because a long tail's remaining work is
-        uncertain (1.0 cost paper-32gpu 4 %). Only for roles with fewer than 1 / `upstream_slack` replicas
-        (where no busy replica can ever be spare; with more it cost rollout-heavy-32 5 %). 0 turns it off.
+        uncertain. Only for roles with fewer than 1 / `upstream_slack` replicas (where no busy replica can
+        ever be spare; with more the slack rule resolves). 0 turns it off (see
+        docs/decisions.md#upstream-ahead).
     upstream_rate, upstream_rate_floor: within one `cooldown_s` rollout gives train at most
         max(upstream_rate × the replicas it had, upstream_rate_floor) replicas it could keep busy. The slack
         is judged by the throughput fit, which in a stage's first minute has not seen step time grow with
-        context; without this bound the 512-GPU sweep moved a third of rollout in one decision and
-        stretched iteration 0's rollout from 208 s to 354 s. The floor keeps small clusters (where a
-        replica is a large fraction) as free as before.
+        context: this bound does not trust it. The floor keeps small clusters (where a replica is a large
+        fraction) free (see docs/decisions.md#upstream-rate).
     kv_reserve: "budget" reserves prompt + max_new_tokens per sequence (a replica can never overflow);
         "expected" reserves prompt + expected length (more concurrency; the engine must preempt on overflow,
         as vLLM/SGLang do).

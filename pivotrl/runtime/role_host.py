@@ -143,7 +143,8 @@ class RoleHost:
         self.idle_poll_s = idle_poll_s
         self.progress_every_s = progress_every_s
         # While the engine streams, sync at most this often; shift, flush and abort results and an idle
-        # engine sync at once (a round trip costs ~0.5-1 ms of the device's CPU on the debug models).
+        # engine sync at once. A round trip costs the device CPU time
+        # (see docs/decisions.md#a-streaming-worker-syncs-at-most-every-sync_every_s).
         self.sync_every_s = sync_every_s
         self.sync_timeout_s = sync_timeout_s
         self.ctx: RoleContext | None = None

@@ -32,7 +32,7 @@ def _fmt_stage(it: dict[str, float]) -> str:
 
 
 def report_text(rep: dict[str, Any]) -> str:
-    lines = [f"{rep['config']}: {rep['devices']} devices, decisions by {rep['controller']}"]
+    lines = [f"{rep['config']}: {rep['devices']} devices ({rep['gpu']}), decisions by {rep['controller']}"]
     tps = rep["tokens_per_s_per_device"]
     for name in ("colocated", "best_static", "shiftable", "fluid_bound", "fluid_and_latency_bound"):
         extra = f"  split {rep['best_static_split']}" if name == "best_static" else ""

@@ -106,7 +106,7 @@ class IterationCost(Section):
 
 
 class CostProfile(Section):
-    gpu: str = "H100-SXM-80GB"
+    gpu: str = Field("H100-SXM-80GB", description="the device the profile describes (a label in reports)")
     rollout: GenRoleCost
     reward: GenRoleCost
     train: TrainRoleCost
@@ -117,7 +117,9 @@ class CostProfile(Section):
 
 class ClusterConfig(Section):
     devices: int = Field(32, ge=1)
-    devices_per_node: int = Field(8, ge=1)
+    devices_per_node: int = Field(
+        8, ge=1, description="not supported yet: the simulator does not model nodes"
+    )
 
 
 class SchedulerConfig(Section):
@@ -135,8 +137,9 @@ class SchedulerConfig(Section):
         1e9, gt=0, description="core's ControllerConfig.prior_weight: weighted step samples before the "
         "throughput fit's own slope replaces the cost profile's (the fit's weights decay 0.95 per sample, so "
         "anything above 20 means never: the profile's step-time shape, which holds the mean context cost, is "
-        "only scaled to the measured step time). With the default 2 of core, a slope fitted on a stage's "
-        "first short-context steps under-predicted tail step times: the 512-GPU sweep lost 10-13 %")
+        "only scaled to the measured step time), as a slope fitted on a stage's first short-context steps "
+        "under-predicts tail step times "
+        "(see docs/decisions.md#the-simulator-never-replaces-the-profiles-slope)")
     dispatch_batch_s: float = Field(
         0.02, ge=0, description="results are reported in batches: dispatch runs at most once per window")
 
@@ -157,12 +160,17 @@ class SimConfig(Section):
     cost: CostProfile
     scheduler: SchedulerConfig = SchedulerConfig()
     search: SearchConfig = SearchConfig()
-    static_split: dict[str, int] | None = Field(None, description="devices per role; default: searched")
+    static_split: dict[str, int] | None = Field(
+        None, description="devices per role of the static (disaggregated) baseline; None: searched"
+    )
     max_sim_time_s: float = Field(1e7, gt=0, description="safety stop for a run that cannot finish")
 
     @model_validator(mode="after")
     def _check(self) -> SimConfig:
         c = self.cost
+        if self.cluster.devices_per_node != ClusterConfig.model_fields["devices_per_node"].default:
+            raise ValueError("cluster.devices_per_node: not supported yet (the simulator does not model "
+                             "nodes); remove it")
         # Fewer devices than one replica per role is allowed (e.g. 2 CPU workers, 3 roles): colocated and
         # shiftable time-share them, and the static baseline groups roles on devices (`compare`).
         need = max(c.reward.devices_per_replica, c.rollout.devices_per_replica, c.train.devices_per_replica)
@@ -172,6 +180,9 @@ class SimConfig(Section):
             bad = sorted(set(self.static_split) - set(ROLES))
             if bad:
                 raise ValueError(f"static_split has unknown role(s) {bad}")
+            if sum(self.static_split.values()) > self.cluster.devices:
+                raise ValueError(f"static_split: {self.static_split} uses more than cluster.devices "
+                                 f"({self.cluster.devices})")
         return self
 
 

@@ -31,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
     static, search = best_static(cfg)
     rows.append(("disaggregated", _split(static.split), static))
     best = max(r.tokens_per_s_per_device for _, _, r in rows)
-    print(f"{cfg.name}: {cfg.cluster.devices} devices, {cfg.workload.prompts_per_iteration}x"
+    print(f"{cfg.name}: {cfg.cluster.devices} devices ({cfg.cost.gpu}), {cfg.workload.prompts_per_iteration}x"
           f"{cfg.workload.group_size} sequences/iteration, {cfg.workload.iterations} iteration(s)")
     print(f"{'paradigm':15s} {'split r/w/t':>12s} {'tok/s/dev':>10s} {'vs best':>8s} {'of fluid':>9s} "
           f"{'iter s':>8s} {'shifts':>7s}")

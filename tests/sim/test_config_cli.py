@@ -55,3 +55,24 @@ def test_cli_missing_file_and_unknown_field(tmp_path: Path, capsys: pytest.Captu
     assert main(["simulate", str(PAPER), "--set", "workload.bogus=1"]) == 2
     err = capsys.readouterr().err
     assert "workload.bogus" in err and "unknown field" in err
+
+
+def test_devices_per_node_is_not_silently_ignored() -> None:
+    load_sim_config(PAPER, ["cluster.devices_per_node=8"])  # the default is accepted
+    with pytest.raises(UserError) as exc:
+        load_sim_config(PAPER, ["cluster.devices_per_node=4"])
+    msg = str(exc.value)
+    assert msg == f"{PAPER}: cluster.devices_per_node: not supported yet (the simulator does not model " \
+                  "nodes); remove it"
+
+
+def test_static_split_is_the_static_baseline_and_gpu_is_reported() -> None:
+    from pivotrl.sim.compare import best_static
+
+    cfg = load_sim_config(ROOT / "configs/sim/sanity/perfect-static.yaml", ["workload.iterations=1"])
+    res, search = best_static(cfg)
+    assert res.split == {"rollout": 4, "reward": 4, "train": 4}
+    assert search["method"] == "given (static_split)" and search["splits_simulated"] == 1
+    with pytest.raises(UserError, match="static_split"):
+        load_sim_config(ROOT / "configs/sim/sanity/perfect-static.yaml", ["static_split.train=5"])
+    assert cfg.cost.gpu == "ideal"
