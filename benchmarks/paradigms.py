@@ -11,8 +11,9 @@ every paradigm runs the same way (worker start-up: imports, first model loads).
 
 Disaggregated means static devices per role. Two devices cannot give each of three roles its own device,
 so the valid static splits give each device a fixed *group* of roles, time-shared colocated-style inside
-the group (the way a policy's rollout and training share GPUs while the GenRM is served apart); every
-grouping is run and the best is reported as `best_static`.
+the group (the way a policy's rollout and training share GPUs while the GenRM is served apart): core's
+`Grouped` policy, the same the simulator's static baseline uses. Every grouping is run and the best is
+reported as `best_static`; each mode's JSON entry names the core policy that ran it (`policy`).
 
 The box is shared (other processes load its cores), so the paradigms run *interleaved*: `--repeats`
 rounds, each running every configuration once (in a rotated order), and each figure is the median over the
@@ -36,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from pivotrl.config import add_override_argument
+from pivotrl.runtime.metrics import PHASES, shift_phase
 
 GROUPINGS: dict[str, list[list[str]]] = {
     "rollout+train|reward": [["rollout", "train"], ["reward"]],
@@ -96,8 +98,8 @@ def summarise(res: Any) -> dict[str, Any]:
     n_measured = sum(int(r["shifts"]) for r in rows)  # shifts done during the measured iterations
     shifts = res.shifts[len(res.shifts) - n_measured :] if n_measured else []
     phases = {}
-    for ph in ("abort", "offload", "fetch", "load", "total"):
-        vals = [e["timings"].get(ph, 0.0) for e in shifts]
+    for ph in PHASES:
+        vals = [shift_phase(e, ph) for e in shifts]
         phases[ph] = statistics.mean(vals) if vals else 0.0
     device_time: dict[str, dict[str, float]] = {}  # per device: mean seconds per measured iteration
     for r in rows:
@@ -130,6 +132,7 @@ def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """One configuration's interleaved repeats → its figures (medians over the repeats)."""
     per_run = [r["tokens_per_s_per_device"] for r in runs]
     out = {
+        "policy": runs[0]["policy"],  # core's policy that decided (name, and its groups for a static run)
         "tokens_per_s_per_device": statistics.median(per_run),
         "tokens_per_s_per_device_repeats": per_run,
         "tokens_per_s_per_device_each": [x for r in runs for x in r["tokens_per_s_per_device_each"]],
@@ -160,9 +163,14 @@ def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def run_mode(cfg: Any, mode: str, control: Any = None) -> dict[str, Any]:
+def run_mode(cfg: Any, mode: str, groups: list[list[str]] | None = None) -> dict[str, Any]:
+    """One run under `mode`; a static grouping is core's `Grouped` policy, chosen by the config exactly as
+    a user's `scheduler.static_groups` is. The result names the policy that decided."""
     from pivotrl.runtime.driver import run_pipeline
 
+    if groups is not None:
+        cfg = cfg.model_copy(deep=True)
+        cfg.scheduler.static_groups = groups
     res = run_pipeline(
         cfg,
         mode=mode,
@@ -171,9 +179,8 @@ def run_mode(cfg: Any, mode: str, control: Any = None) -> dict[str, Any]:
         progress=False,
         evaluate_policy=False,
         save_final=False,
-        control=control,
     )
-    return summarise(res)
+    return {**summarise(res), "policy": res.policy}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -198,7 +205,6 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)
     from pivotrl.config import PipelineConfig
-    from pivotrl.runtime.control import StaticGroupsControl
 
     size = args.model_size or ("debug" if args.quick else "small")
     args.model_size = size
@@ -221,8 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     for rep in range(args.repeats):
         order = configs[rep % len(configs) :] + configs[: rep % len(configs)]  # rotate: no fixed slot
         for name, mode, groups in order:
-            control = StaticGroupsControl(groups) if groups is not None else None
-            r = run_mode(cfg, mode, control=control)
+            r = run_mode(cfg, mode, groups)
             runs[name].append(r)
             if load:
                 load.append(os.getloadavg()[0])

@@ -8,6 +8,7 @@ from pivotrl.core.policies import (
     Colocated,
     Disaggregated,
     Grouped,
+    Manual,
     Policy,
     Shiftable,
     ShiftPlan,
@@ -38,7 +39,7 @@ from pivotrl.core.types import (
 
 __all__ = [
     "PIPELINE", "Assignment", "Candidate", "Colocated", "Controller", "ControllerConfig", "Decision",
-    "DeviceMove", "Disaggregated", "Grouped", "IterationPlan", "PlanReasoning", "Policy", "Replica",
+    "DeviceMove", "Disaggregated", "Grouped", "IterationPlan", "Manual", "PlanReasoning", "Policy", "Replica",
     "ReplicaShift", "ReplicaState", "Role", "RoleSpec", "SeqState", "Sequence", "ShiftPlan", "ShiftTimings",
     "Shiftable", "ThroughputModel", "best_static_split", "bottleneck_cost", "make_policy", "static_splits",
 ]

@@ -11,6 +11,8 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
+from pivotrl.runtime.metrics import PHASES, shift_phase
+
 ROLE_COLORS = {
     "rollout": "#1f77b4",
     "reward": "#ff7f0e",
@@ -71,8 +73,8 @@ def render(timeline: list[dict[str, Any]], events: list[dict[str, Any]], refresh
         "src": [e["src"] for e in shifts],
         "dst": [e["role"] for e in shifts],
     }
-    for ph in ("abort", "offload", "fetch", "load", "total"):
-        table[ph] = [round(e["timings"].get(ph, 0.0), 3) for e in shifts]
+    for ph in PHASES:
+        table[ph] = [round(shift_phase(e, ph), 3) for e in shifts]
     cols = [TableColumn(field=k, title=k) for k in table]
     shift_table = DataTable(source=ColumnDataSource(table), columns=cols, width=900, height=240)
     html = file_html(column(roles_fig, depth_fig, rate_fig, shift_table), INLINE, "pivotrl")
@@ -89,7 +91,7 @@ def _install(dask_scheduler: Any = None) -> str:
             if plugin is None:
                 self.write("pivotrl is not running on this scheduler")
                 return
-            self.write(render(plugin.timeline[-2000:], plugin.events))
+            self.write(render(plugin.orch.timeline[-2000:], plugin.orch.events))
 
     app = getattr(dask_scheduler, "http_application", None)
     if app is None:

@@ -33,6 +33,7 @@ class RunResult:
     devices: int = 0
     wall_s: float = 0.0
     final_policy: Path | None = None
+    policy: dict[str, Any] = field(default_factory=dict)  # which core policy decided (name, groups, split)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -123,60 +124,64 @@ def worker_role_specs(cfg: PipelineConfig, paths: dict[str, Path], run_id: str) 
     }
 
 
-def control_role_specs(cfg: PipelineConfig) -> dict[str, dict[str, Any]]:
-    """Capacities and throughput priors per role for core (CPU-sized priors; the fit learns online)."""
-    return {
-        "rollout": {
-            "max_seqs": cfg.rollout.engine.max_batch,
-            "kv_tokens": cfg.rollout.engine.kv_budget_tokens,
-            "prior_step_a_s": 0.01,
-            "prior_step_b_s": 0.0005,
-        },
-        "reward": {
-            "max_seqs": cfg.reward.engine.max_batch,
-            "kv_tokens": cfg.reward.engine.kv_budget_tokens,
-            "prior_step_a_s": 0.01,
-            "prior_step_b_s": 0.0005,
-        },
-        "train": {
-            "max_seqs": 2 * cfg.train.micro_batch,
-            "kv_tokens": 1 << 30,
-            "prior_step_a_s": 0.01,
-            "prior_step_b_s": 0.0002,
-        },
+def controller_config(cfg: PipelineConfig) -> Any:
+    """What core knows of the cluster before measuring: each role's capacity (the engine's batch and KV
+    budget; a train replica holds two micro-batches so the next is there when one is done) and the priors."""
+    from pivotrl.core import ControllerConfig, Role, RoleSpec
+
+    pr, sc = cfg.scheduler.priors, cfg.scheduler
+    ro, rw = cfg.rollout.engine, cfg.reward.engine
+    roles = {
+        Role.ROLLOUT: RoleSpec(max_seqs=ro.max_batch, kv_tokens=ro.kv_budget_tokens,
+                               prior_step_a_s=pr.rollout_step_a_s, prior_step_b_s=pr.rollout_step_b_s),
+        Role.REWARD: RoleSpec(max_seqs=rw.max_batch, kv_tokens=rw.kv_budget_tokens,
+                              prior_step_a_s=pr.reward_step_a_s, prior_step_b_s=pr.reward_step_b_s),
+        Role.TRAIN: RoleSpec(max_seqs=2 * cfg.train.micro_batch, kv_tokens=1 << 30,
+                             prior_step_a_s=pr.train_step_a_s, prior_step_b_s=pr.train_step_b_s),
     }
+    return ControllerConfig(roles=roles, horizon_s=sc.horizon_s, hysteresis=sc.hysteresis,
+                            cooldown_s=sc.cooldown_s, shift_prior_s=pr.shift_s)
 
 
-DEFAULT_GROUPS = [["rollout"], ["reward", "train"]]  # the best 2-device grouping in benchmarks.paradigms
-
-
-def make_control(cfg: PipelineConfig, mode: str, n_devices: int, log: Callable[[str], None] = print) -> Any:
-    """core's controller for `mode`; for a disaggregated run on fewer devices than roles (no static split
-    can give each role a device) the fixed role groups of `scheduler.static_groups`."""
-    from pivotrl.runtime.control import StaticGroupsControl
-    from pivotrl.runtime.core_control import CoreControl
+def build_controller(cfg: PipelineConfig, mode: str, n_devices: int,
+                     log: Callable[[str], None] = print) -> Any:
+    """core's controller for `mode`. A disaggregated run on fewer devices than roles (no static split can
+    give each role a device), or with `scheduler.static_groups`, is core's static grouping."""
+    from pivotrl.core import Controller, Grouped, make_policy
 
     sc = cfg.scheduler
-    if mode == "disaggregated" and (
-        sc.static_groups is not None or (sc.static_split is None and n_devices < 3)
-    ):
-        groups = [list(g) for g in (sc.static_groups or DEFAULT_GROUPS)]
-        if len(groups) > n_devices or {r for g in groups for r in g} != {"rollout", "reward", "train"}:
+    groups = None
+    if mode == "disaggregated" and sc.static_groups is not None:
+        roles = {r for g in sc.static_groups for r in g}
+        if len(sc.static_groups) > n_devices or roles != {"rollout", "reward", "train"}:
             raise UserError(
-                f"scheduler.static_groups: {groups} must cover rollout, reward and train with at "
+                f"scheduler.static_groups: {sc.static_groups} must cover rollout, reward and train with at "
                 f"most one group per device ({n_devices} devices)"
             )
-        log(f"disaggregated on {n_devices} devices: fixed role groups {groups}")
-        return StaticGroupsControl(groups)
-    return CoreControl(
-        mode,
-        role_specs=control_role_specs(cfg),
-        horizon_s=sc.horizon_s,
-        hysteresis=sc.hysteresis,
-        cooldown_s=sc.cooldown_s,
-        static_split=sc.static_split if mode == "disaggregated" else None,
-        shift_prior_s=1.0,
-    )
+        groups = [(tuple(g), 1) for g in sc.static_groups]
+    try:
+        policy = make_policy(mode, static_split=sc.static_split if mode == "disaggregated" else None,
+                             groups=groups, n_devices=n_devices)
+    except ValueError as exc:
+        raise UserError(f"scheduler: {exc}") from None
+    if isinstance(policy, Grouped):
+        names = [[str(r) for r in roles] for roles, _ in policy.groups]
+        log(f"disaggregated on {n_devices} devices: static role groups {names}")
+    return Controller(policy, config=controller_config(cfg))
+
+
+def policy_description(controller: Any) -> dict[str, Any]:
+    """Which core policy a run used (benchmarks record it)."""
+    from pivotrl.core import Grouped
+
+    policy = controller.policy
+    out: dict[str, Any] = {"policy": policy.name}
+    if isinstance(policy, Grouped):
+        out["groups"] = [[str(r) for r in roles] for roles, _ in policy.groups]
+    split = getattr(policy, "initial_split", None)
+    if split:
+        out["split"] = {str(k): v for k, v in split.items()}
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -321,10 +326,10 @@ def run_pipeline(
     progress: bool = True,
     evaluate_policy: bool = True,
     save_final: bool = True,
-    control: Any = None,
+    controller: Any = None,
 ) -> RunResult:
-    """Run `cfg` end to end (see the module docstring). `control` overrides the controller that `mode`
-    selects (benchmarks pass grouped static splits this way)."""
+    """Run `cfg` end to end (see the module docstring). `controller` (a `pivotrl.core.Controller`)
+    overrides the one `mode` selects."""
     from pivotrl.gps import ParameterStore
     from pivotrl.loop import held_out_problems, train_problems
     from pivotrl.malloc import keep_freed_memory
@@ -375,9 +380,12 @@ def run_pipeline(
             result.devices = n_dev
             if handle.dashboard_link:
                 log(f"dashboard: {handle.dashboard_link}  (pivotrl page: /pivotrl)")
+            if controller is None:
+                controller = build_controller(cfg, mode, n_dev, log)
+            result.policy = policy_description(controller)
             session = RuntimeSession.install(
                 handle.client,
-                control=control if control is not None else make_control(cfg, mode, n_dev, log),
+                controller=controller,
                 role_specs=worker_role_specs(cfg, paths, run_id),
                 worker_options={
                     "torch_threads": cl.torch_threads,

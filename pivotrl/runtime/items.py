@@ -74,14 +74,21 @@ class ItemLedger:
 
     # -- placement ------------------------------------------------------------------------------------
     def assign(self, item_id: str, worker: str) -> bool:
-        """Put a waiting item in `worker`'s outbox; an item still running elsewhere (its abort in flight)
-        goes there when its partial comes back. True if it is in the outbox now."""
+        """Put a waiting item in `worker`'s outbox (an undelivered one moves there); an item still running
+        (its abort in flight, or asked for now) goes there when its partial comes back. True if it is in
+        the outbox now."""
         item = self.items.get(item_id)
         if item is None:
             return False
-        if item.state in (ItemState.ASSIGNED, ItemState.RUNNING):  # its abort is in flight
+        if item.state is ItemState.RUNNING:
+            self.request_abort(item_id)
             item.next_worker = worker
             return False
+        if item.state is ItemState.ASSIGNED:
+            if item.worker == worker:
+                return True
+            self.outbox[item.worker or ""].remove(item_id)
+            item.state, item.worker = ItemState.WAITING, None
         if item.state is not ItemState.WAITING:
             return False
         item.state, item.worker = ItemState.ASSIGNED, worker

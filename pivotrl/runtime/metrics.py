@@ -16,7 +16,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-PHASES = ("abort", "offload", "fetch", "load", "total")
+PHASES = ("abort", "offload", "fetch", "load", "total")  # the shift phases shown, and their sum
+
+
+def shift_phase(event: dict[str, Any], phase: str, default: float = 0.0) -> float:
+    """One phase of a `shift_done` event, or its total (derived by the scheduler, never a phase)."""
+    if phase == "total":
+        return float(event.get("total", default))
+    return float(event["timings"].get(phase, default))
 ROLE_CODES: dict[str | None, int] = {None: -1, "rollout": 0, "reward": 1, "train": 2, "shifting": 3}
 ROLES = ("rollout", "reward", "train")
 
@@ -118,7 +125,7 @@ class IterationMeter:
                     f"  shift: device {e['name']} {e['src']} → {e['role']}  "
                     f"(abort {t.get('abort', 0):.2f}s, offload {t.get('offload', 0):.2f}s, "
                     f"fetch {t.get('fetch', 0):.2f}s, load {t.get('load', 0):.2f}s, "
-                    f"total {t.get('total', 0):.2f}s{', warm' if t.get('warm') else ''})"
+                    f"total {e.get('total', 0):.2f}s{', warm' if e.get('warm') else ''})"
                 )
             elif e["kind"] == "worker_lost":
                 self.log(
@@ -158,7 +165,7 @@ class IterationMeter:
         for key in (*ROLES, "shifting", "idle"):
             row[f"alloc_{key}"] = self.alloc.get(key, 0.0) / total_alloc
         for ph in PHASES:
-            vals = [e["timings"].get(ph, 0.0) for e in self.shifts]
+            vals = [shift_phase(e, ph) for e in self.shifts]
             row[f"shift_{ph}_s"] = sum(vals) / len(vals) if vals else math.nan
         for key in ("loss", "grad_norm", "skipped", "replica_sums", "clip_frac"):
             if key in train_stats:
@@ -204,7 +211,7 @@ def write_metrics(result: Any, path: Path) -> Path:
         for ph in PHASES:
             data_vars[f"shift_time_{ph}"] = (
                 "shift",
-                np.array([e["timings"].get(ph, math.nan) for e in shifts]),
+                np.array([shift_phase(e, ph, math.nan) for e in shifts]),
             )
         data_vars["shift_t"] = ("shift", np.array([e["t"] for e in shifts]))
         data_vars["shift_from"] = ("shift", np.array([ROLE_CODES.get(e["src"], -1) for e in shifts], np.int8))

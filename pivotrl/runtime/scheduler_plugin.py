@@ -113,15 +113,10 @@ class PivotSchedulerPlugin(SchedulerPlugin):
         self.plans += 1
 
     def _tick_on_event(self) -> None:
-<<<<<<< HEAD
-        """Plan now rather than at the next periodic tick (new work arrived, or a role ran dry: the two
-        moments a stage transition can start); an event inside the gap is planned for at its end."""
-=======
         """Plan now rather than at the next periodic tick: new work arrived or a role ran dry, the two
         moments a stage transition can start. At most one extra tick per `EVENT_TICK_GAP_S`: an event inside
         the gap is planned for at its end, not dropped: dropped, it waits for the periodic tick
         (see docs/decisions.md#an-event-tick-inside-the-gap-is-deferred-not-dropped)."""
->>>>>>> hygiene
         wait = EVENT_TICK_GAP_S - (self.now() - self._last_tick)
         if wait > 0:
             with contextlib.suppress(RuntimeError):  # no running loop (a unit test calling a handler): drop

@@ -70,8 +70,10 @@ def run(args: argparse.Namespace) -> int:
         f"{len(shifts)} role shifts"
     )
     if shifts:
-        for ph in ("abort", "offload", "fetch", "load", "total"):
-            vals = [e["timings"].get(ph, 0.0) for e in shifts]
+        from pivotrl.runtime.metrics import PHASES, shift_phase
+
+        for ph in PHASES:
+            vals = [shift_phase(e, ph) for e in shifts]
             log(f"  mean shift {ph:<7} {sum(vals) / len(vals):.3f}s")
     if res.eval:
         log("held-out accuracy: " + ", ".join(f"{k} {v:.1f}" for k, v in res.eval.items()))

@@ -14,9 +14,9 @@ import time
 from pathlib import Path
 
 import pytest
+from pivotrl.runtime.control import ManualControl
 
 from pivotrl.runtime.cluster import open_cluster
-from pivotrl.runtime.control import ManualControl
 from pivotrl.runtime.session import RuntimeSession
 
 ROOT = Path(__file__).resolve().parents[2]

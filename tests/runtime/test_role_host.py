@@ -1,0 +1,128 @@
+"""The role host and the orchestrator without Dask (tests/runtime/inproc.py): shift timings reach core's
+shift-cost model as measured, items migrate with their tokens, train items land in one sum each."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from pivotrl.core import Controller, ControllerConfig, Manual, Role, RoleSpec, ShiftTimings
+from pivotrl.core.shiftcost import ShiftCostModel
+from pivotrl.runtime.messages import WorkRequest
+from tests.runtime.fakes import token
+from tests.runtime.inproc import InProcessRuntime
+
+GEN = "tests.runtime.fakes:CountingGen"
+TRAIN = "tests.runtime.fakes:SumTrain"
+
+
+def specs(step_s: float = 0.005, load_s: float = 0.0, parkable: bool = False) -> dict[str, dict]:
+    gen = {"context": GEN, "version": 0, "max_batch": 8, "step_s": step_s, "load_s": load_s,
+           "parkable": parkable}
+    return {"rollout": dict(gen), "reward": dict(gen),
+            "train": {"context": TRAIN, "version": 0, "max_batch": 4, "step_s": step_s}}
+
+
+def controller(initial: list[str], shift_prior_s: float = 5.0) -> Controller:
+    roles = {r: RoleSpec(max_seqs=8, kv_tokens=1 << 20) for r in Role}
+    return Controller(Manual(initial), config=ControllerConfig(roles=roles, shift_prior_s=shift_prior_s))
+
+
+def requests(prefix: str, n: int, length: int, role: str = "rollout") -> list[WorkRequest]:
+    return [WorkRequest(f"{prefix}{i}", role, {"target_len": length}, max_new_tokens=length)
+            for i in range(n)]
+
+
+def wait(rt: InProcessRuntime, ids: set[str], timeout_s: float = 20.0) -> dict:
+    got: dict = {}
+    deadline = time.monotonic() + timeout_s
+    while not ids <= set(got):
+        out = rt.collect()
+        for r in out.results:
+            assert r.id not in got, f"{r.id} finished twice"
+            got[r.id] = r
+        for g in out.grads:
+            for i in g.items:
+                assert i not in got, f"{i} trained twice"
+                got[i] = g
+        assert time.monotonic() < deadline, sorted(ids - set(got))[:5]
+        time.sleep(0.01)
+    return got
+
+
+def test_shift_cost_model_sums_phases_only() -> None:
+    """The live bug: a report with `total` and `warm` beside the phases was learned as 4x its cost."""
+    m = ShiftCostModel()
+    t = ShiftTimings(abort=0.05, offload=0.05, fetch=0.2, load=0.2, warm=True)
+    assert m.observe(Role.ROLLOUT, Role.TRAIN, t) == pytest.approx(0.5)
+    assert m.duration(Role.ROLLOUT, Role.TRAIN) == pytest.approx(0.5)
+    with pytest.raises(TypeError):
+        m.observe(Role.ROLLOUT, Role.TRAIN, {"abort": 0.05, "total": 0.5})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("parkable", [False, True])
+def test_a_measured_shift_reaches_core_with_the_time_it_took(parkable: bool) -> None:
+    ctl = controller(["rollout"])
+    rt = InProcessRuntime(ctl, specs(load_s=0.15, parkable=parkable), n_workers=1)
+    try:
+        rt.wait_ready({"0": "rollout"})
+        for role in ("reward", "rollout"):
+            rt.call("request_shift", "w0", role, rt.now())
+            rt.wait_ready({"0": role})
+        events = [e for e in rt.orch.events if e["kind"] == "shift_done"]
+        assert [e["role"] for e in events] == ["rollout", "reward", "rollout"]
+        back = events[-1]  # reward → rollout: cold (rebuilt, 0.15 s load) or warm (parked: no load)
+        assert back["warm"] is parkable
+        measured = back["total"]
+        assert measured == pytest.approx(sum(back["timings"].values()))
+        if parkable:
+            assert measured < 0.1
+        else:
+            assert measured >= 0.15
+        learned = ctl.shift_costs.duration(Role.REWARD, Role.ROLLOUT)
+        assert learned == pytest.approx(measured, rel=1e-9)  # the first sample of the pair: exactly it
+        assert ctl.shift_costs.duration(Role.ROLLOUT, Role.REWARD) == pytest.approx(events[1]["total"])
+    finally:
+        rt.close()
+
+
+def test_abort_moves_an_item_with_its_tokens_to_another_device() -> None:
+    ctl = controller(["rollout", "rollout"])
+    rt = InProcessRuntime(ctl, specs(step_s=0.003), n_workers=2, progress_every_s=0.01)
+    try:
+        rt.wait_ready()
+        rt.submit(requests("long", 1, 300))
+        deadline = time.monotonic() + 20
+        while True:
+            where = rt.call("items", ["long0"]).get("long0", {})
+            if where.get("state") == "running" and where.get("generated", 0) >= 20:
+                break
+            assert time.monotonic() < deadline, where
+            time.sleep(0.005)
+        owner = where["worker"]
+        rt.call("request_shift", owner, "reward", rt.now())
+        res = wait(rt, {"long0"})["long0"]
+        assert res.worker != owner
+        assert res.generated == [token("long0", j) for j in range(300)]
+        assert len(res.logprobs) == 300
+    finally:
+        rt.close()
+
+
+def test_train_items_land_in_exactly_one_sum_across_a_shift() -> None:
+    ctl = controller(["train", "train"])
+    rt = InProcessRuntime(ctl, specs(step_s=0.01), n_workers=2)
+    try:
+        rt.wait_ready()
+        reqs = [WorkRequest(f"t{i}", "train", {"x": i}, est_tokens=10) for i in range(40)]
+        rt.submit(reqs)
+        time.sleep(0.05)
+        rt.call("request_shift", "w0", "rollout", rt.now())  # its partial sum is flushed on the way out
+        rt.call("flush", 0)
+        got = wait(rt, {r.id for r in reqs})
+        sums = {id(g): g for g in got.values()}.values()
+        assert sorted(i for g in sums for i in g.items) == sorted(r.id for r in reqs)
+        assert sum(g.stats.loss_sum for g in sums) == sum(range(40))
+    finally:
+        rt.close()
