@@ -126,3 +126,30 @@ def test_train_items_land_in_exactly_one_sum_across_a_shift() -> None:
         assert sum(g.stats.loss_sum for g in sums) == sum(range(40))
     finally:
         rt.close()
+
+
+def test_a_multi_device_replica_is_ready_when_all_its_devices_are() -> None:
+    """The runtime keeps no device map of its own: a 2-device reward replica of core's loads on both
+    devices (the slower one decides when it is ready) and its items run on its first device."""
+    roles = {r: RoleSpec(max_seqs=8, kv_tokens=1 << 20, devices_per_replica=2 if r is Role.REWARD else 1)
+             for r in Role}
+    ctl = Controller(Manual(["rollout"]), config=ControllerConfig(roles=roles))
+    rt = InProcessRuntime(ctl, specs(step_s=0.003), n_workers=3)
+    try:
+        rt.wait_ready()
+        with rt.lock:
+            rt.orch.request_shift("w1", None, rt.now())  # free w1 so that w0 can form a pair with it
+            rt.orch.request_shift("w0", "reward", rt.now())
+        rt.wait_ready({"0": "reward", "1": "reward"})
+        [rep] = ctl.replicas(Role.REWARD)
+        assert rep.devices == ("w0", "w1")
+        deadline = time.monotonic() + 10
+        while ctl.replicas(Role.REWARD)[0].state.value != "active":
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        rt.submit(requests("j", 4, 5, role="reward"))
+        got = wait(rt, {f"j{i}" for i in range(4)})
+        assert {r.worker for r in got.values()} == {"w0"}
+        assert all(r.generated == [token(i, j) for j in range(5)] for i, r in got.items())
+    finally:
+        rt.close()
