@@ -1,9 +1,10 @@
 """The typed messages of the runtime's seams: driver ↔ scheduler extension ↔ role host.
 
 Dask's comms carry msgpack, so every message crosses as plain data (`to_wire()`, a dict of lists and
-numbers) and is rebuilt on the other side (`from_wire`), where a missing or mistyped field fails loudly at
-the seam instead of deep inside. Payloads (`WorkRequest.payload`) stay opaque mappings: their shape belongs
-to the role that reads them, as a `Sequence.payload` belongs to its driver in core.
+numbers) and is rebuilt on the other side (`from_wire`, driven by the dataclass's own type hints), where a
+missing, unknown or mistyped field fails loudly at the seam instead of deep inside. Payloads
+(`WorkRequest.payload`) stay opaque mappings: their shape belongs to the role that reads them, as a
+`Sequence.payload` belongs to its driver in core.
 
 Who sends what:
 - driver → scheduler: `WorkRequest` (new work), and gets `Collected` back (`ItemResult`, `GradResult`);
@@ -14,10 +15,11 @@ Who sends what:
 
 from __future__ import annotations
 
+import types
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 from enum import StrEnum
-from typing import Any
+from typing import Any, Self, Union, get_args, get_origin, get_type_hints
 
 from pivotrl.core.types import ShiftTimings
 
@@ -33,16 +35,69 @@ class ItemState(StrEnum):
     DONE = "done"
 
 
-def _ints(xs: Any) -> list[int]:
-    return [int(x) for x in (xs or ())]
+def encode(value: Any) -> Any:
+    """A message (or any value inside one) as msgpack-safe plain data."""
+    if is_dataclass(value) and not isinstance(value, type):
+        return {f.name: encode(getattr(value, f.name)) for f in fields(value)}
+    if isinstance(value, (list, tuple)):
+        return [encode(v) for v in value]
+    if isinstance(value, Mapping):
+        return {k: encode(v) for k, v in value.items()}
+    return value
 
 
-def _floats(xs: Any) -> list[float]:
-    return [float(x) for x in (xs or ())]
+def decode(hint: Any, value: Any) -> Any:
+    """Plain data back into the type `hint` names (dataclasses, lists, tuples, optionals, scalars)."""
+    origin, args = get_origin(hint), get_args(hint)
+    if hint is Any:
+        return value
+    if origin in (Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return decode(inner, value)
+    if is_dataclass(hint):
+        return from_wire(hint, value)
+    if origin in (list, tuple):
+        items = [decode(args[0], v) for v in value]
+        return tuple(items) if origin is tuple else items
+    if origin in (dict, Mapping) or hint is dict:
+        return dict(value)
+    if hint in (int, float, str):
+        accepted = {int: (int,), float: (int, float), str: (str,)}[hint]
+        if isinstance(value, bool) or not isinstance(value, accepted):
+            raise TypeError(f"expected {hint.__name__}, got {value!r}")
+        return hint(value)
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise TypeError(f"expected a bool, got {value!r}")
+        return value
+    return value
 
 
-def _opt_str(x: Any) -> str | None:
-    return None if x is None else str(x)
+def from_wire(cls: type, data: Mapping[str, Any]) -> Any:
+    if not isinstance(data, Mapping):
+        raise TypeError(f"{cls.__name__}: expected a mapping, got {type(data).__name__}")
+    hints = get_type_hints(cls)
+    known = {f.name for f in fields(cls) if f.init}
+    unknown = set(data) - known
+    if unknown:
+        raise ValueError(f"{cls.__name__}: unknown field(s) {sorted(unknown)}")
+    try:
+        return cls(**{k: decode(hints[k], v) for k, v in data.items()})
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"{cls.__name__}: {exc}") from None
+
+
+class Wire:
+    """`to_wire()` / `from_wire()` for a message dataclass."""
+
+    def to_wire(self) -> dict[str, Any]:
+        return encode(self)
+
+    @classmethod
+    def from_wire(cls, data: Mapping[str, Any]) -> Self:
+        return from_wire(cls, data)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -51,7 +106,7 @@ def _opt_str(x: Any) -> str | None:
 
 
 @dataclass(frozen=True)
-class WorkRequest:
+class WorkRequest(Wire):
     """New work for a role. Cost hints for core: `prompt_tokens` (prefill), `max_new_tokens` (budget),
     `est_tokens` (expected new tokens; for train, the tokens to process). `generated`/`logprobs` resume a
     partial (a sequence that already has tokens)."""
@@ -74,38 +129,9 @@ class WorkRequest:
             if int(getattr(self, name)) < 0:
                 raise ValueError(f"work request {self.id}: {name} must be >= 0")
 
-    def to_wire(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "role": self.role,
-            "payload": dict(self.payload),
-            "iteration": self.iteration,
-            "group_id": self.group_id,
-            "prompt_tokens": self.prompt_tokens,
-            "max_new_tokens": self.max_new_tokens,
-            "est_tokens": self.est_tokens,
-            "generated": list(self.generated),
-            "logprobs": list(self.logprobs),
-        }
-
-    @classmethod
-    def from_wire(cls, d: Mapping[str, Any]) -> WorkRequest:
-        return cls(
-            id=str(d["id"]),
-            role=str(d["role"]),
-            payload=dict(d["payload"]),
-            iteration=int(d.get("iteration", 0)),
-            group_id=_opt_str(d.get("group_id")),
-            prompt_tokens=int(d.get("prompt_tokens", 0)),
-            max_new_tokens=int(d.get("max_new_tokens", 0)),
-            est_tokens=int(d.get("est_tokens", 0)),
-            generated=tuple(_ints(d.get("generated"))),
-            logprobs=tuple(_floats(d.get("logprobs"))),
-        )
-
 
 @dataclass
-class ItemResult:
+class ItemResult(Wire):
     """A finished rollout/reward item (or a finished train micro-batch item, whose result is empty):
     what the role context produced. `role`, `iteration` and `worker` are filled in by the scheduler."""
 
@@ -117,32 +143,9 @@ class ItemResult:
     iteration: int = 0
     worker: str = ""
 
-    def to_wire(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "generated": list(self.generated),
-            "logprobs": list(self.logprobs),
-            "finish_reason": self.finish_reason,
-            "role": self.role,
-            "iteration": self.iteration,
-            "worker": self.worker,
-        }
-
-    @classmethod
-    def from_wire(cls, d: Mapping[str, Any]) -> ItemResult:
-        return cls(
-            id=str(d["id"]),
-            generated=_ints(d.get("generated")),
-            logprobs=_floats(d.get("logprobs")),
-            finish_reason=str(d.get("finish_reason") or ""),
-            role=str(d.get("role") or ""),
-            iteration=int(d.get("iteration", 0)),
-            worker=str(d.get("worker") or ""),
-        )
-
 
 @dataclass(frozen=True)
-class GradStats:
+class GradStats(Wire):
     """What a local gradient sum holds besides the gradients (the trainer's `GradSum` fields)."""
 
     tokens: int
@@ -155,26 +158,9 @@ class GradStats:
     clipped: int = 0
     nonfinite: bool = False
 
-    def to_wire(self) -> dict[str, Any]:
-        return dict(self.__dict__)
-
-    @classmethod
-    def from_wire(cls, d: Mapping[str, Any]) -> GradStats:
-        return cls(
-            tokens=int(d["tokens"]),
-            samples=int(d["samples"]),
-            version=int(d["version"]),
-            loss_sum=float(d.get("loss_sum", 0.0)),
-            pg_sum=float(d.get("pg_sum", 0.0)),
-            kl_ref_sum=float(d.get("kl_ref_sum", 0.0)),
-            kl_old_sum=float(d.get("kl_old_sum", 0.0)),
-            clipped=int(d.get("clipped", 0)),
-            nonfinite=bool(d.get("nonfinite", False)),
-        )
-
 
 @dataclass
-class GradResult:
+class GradResult(Wire):
     """A flushed local gradient sum: where it is stored (`model`, `version` in the parameter store), the
     train items it covers, its stats, and how long the flush took on the device."""
 
@@ -185,30 +171,9 @@ class GradResult:
     worker: str = ""
     seconds: float = 0.0
 
-    def to_wire(self) -> dict[str, Any]:
-        return {
-            "model": self.model,
-            "version": self.version,
-            "items": list(self.items),
-            "stats": self.stats.to_wire(),
-            "worker": self.worker,
-            "seconds": self.seconds,
-        }
-
-    @classmethod
-    def from_wire(cls, d: Mapping[str, Any]) -> GradResult:
-        return cls(
-            model=str(d["model"]),
-            version=int(d["version"]),
-            items=[str(i) for i in d.get("items", ())],
-            stats=GradStats.from_wire(d["stats"]),
-            worker=str(d.get("worker") or ""),
-            seconds=float(d.get("seconds", 0.0)),
-        )
-
 
 @dataclass
-class Collected:
+class Collected(Wire):
     """What the driver collects: finished items, flushed gradient sums, new log events, a state snapshot
     (events and state are for logs and dashboards: plain data)."""
 
@@ -217,23 +182,6 @@ class Collected:
     events: list[dict[str, Any]] = field(default_factory=list)
     state: dict[str, Any] = field(default_factory=dict)
 
-    def to_wire(self) -> dict[str, Any]:
-        return {
-            "results": [r.to_wire() for r in self.results],
-            "grads": [g.to_wire() for g in self.grads],
-            "events": list(self.events),
-            "state": self.state,
-        }
-
-    @classmethod
-    def from_wire(cls, d: Mapping[str, Any]) -> Collected:
-        return cls(
-            results=[ItemResult.from_wire(r) for r in d.get("results", ())],
-            grads=[GradResult.from_wire(g) for g in d.get("grads", ())],
-            events=list(d.get("events", ())),
-            state=dict(d.get("state") or {}),
-        )
-
 
 # ----------------------------------------------------------------------------------------------------
 # Role host ↔ scheduler
@@ -241,7 +189,7 @@ class Collected:
 
 
 @dataclass
-class WorkItem:
+class WorkItem(Wire):
     """An item as a role context receives it: the request's payload and the tokens it already has.
     `attempt` counts how often it was handed out before (aborts, lost workers)."""
 
@@ -253,48 +201,18 @@ class WorkItem:
     logprobs: list[float] = field(default_factory=list)
     attempt: int = 0
 
-    def to_wire(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "role": self.role,
-            "payload": dict(self.payload),
-            "iteration": self.iteration,
-            "generated": list(self.generated),
-            "logprobs": list(self.logprobs),
-            "attempt": self.attempt,
-        }
-
-    @classmethod
-    def from_wire(cls, d: Mapping[str, Any]) -> WorkItem:
-        return cls(
-            id=str(d["id"]),
-            role=str(d["role"]),
-            payload=dict(d["payload"]),
-            iteration=int(d.get("iteration", 0)),
-            generated=_ints(d.get("generated")),
-            logprobs=_floats(d.get("logprobs")),
-            attempt=int(d.get("attempt", 0)),
-        )
-
 
 @dataclass
-class Partial:
+class Partial(Wire):
     """An aborted item handed back with the tokens it had generated (it resumes from them elsewhere)."""
 
     id: str
     generated: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
 
-    def to_wire(self) -> dict[str, Any]:
-        return {"id": self.id, "generated": list(self.generated), "logprobs": list(self.logprobs)}
-
-    @classmethod
-    def from_wire(cls, d: Mapping[str, Any]) -> Partial:
-        return cls(str(d["id"]), _ints(d.get("generated")), _floats(d.get("logprobs")))
-
 
 @dataclass
-class Progress:
+class Progress(Wire):
     """Tokens `tokens` (with `logprobs`) generated from position `offset` of a running item."""
 
     id: str
@@ -302,44 +220,18 @@ class Progress:
     tokens: list[int]
     logprobs: list[float]
 
-    def to_wire(self) -> dict[str, Any]:
-        return {"id": self.id, "offset": self.offset, "tokens": list(self.tokens),
-                "logprobs": list(self.logprobs)}
-
-    @classmethod
-    def from_wire(cls, d: Mapping[str, Any]) -> Progress:
-        return cls(str(d["id"]), int(d["offset"]), _ints(d.get("tokens")), _floats(d.get("logprobs")))
-
 
 @dataclass(frozen=True)
-class StepSample:
+class StepSample(Wire):
     """One engine step: `concurrency` items, `step_time_s` seconds, `tokens` of work done."""
 
     concurrency: int
     step_time_s: float
     tokens: int
 
-    def to_wire(self) -> dict[str, Any]:
-        return {"concurrency": self.concurrency, "step_time_s": self.step_time_s, "tokens": self.tokens}
-
-    @classmethod
-    def from_wire(cls, d: Mapping[str, Any]) -> StepSample:
-        return cls(int(d["concurrency"]), float(d["step_time_s"]), int(d["tokens"]))
-
-
-def timings_to_wire(t: ShiftTimings) -> dict[str, Any]:
-    return {**t.phases(), "warm": t.warm}
-
-
-def timings_from_wire(d: Mapping[str, Any]) -> ShiftTimings:
-    unknown = set(d) - {*ShiftTimings.PHASES, "warm"}
-    if unknown:
-        raise ValueError(f"unknown shift phase(s) {sorted(unknown)}; phases are {ShiftTimings.PHASES}")
-    return ShiftTimings(**{k: float(d[k]) for k in ShiftTimings.PHASES if k in d}, warm=bool(d.get("warm")))
-
 
 @dataclass(frozen=True)
-class ShiftCommand:
+class ShiftCommand(Wire):
     """Take up `role` (None: go idle, freeing every weight) loading `spec`; `decision` names the core
     decision that asked for it, `from_role` what the scheduler believes the device serves now."""
 
@@ -349,18 +241,9 @@ class ShiftCommand:
     from_role: str | None = None
     decision: str = ""
 
-    def to_wire(self) -> dict[str, Any]:
-        return {"id": self.id, "role": self.role, "spec": dict(self.spec), "from_role": self.from_role,
-                "decision": self.decision}
-
-    @classmethod
-    def from_wire(cls, d: Mapping[str, Any]) -> ShiftCommand:
-        return cls(str(d["id"]), _opt_str(d.get("role")), dict(d.get("spec") or {}),
-                   _opt_str(d.get("from_role")), str(d.get("decision") or ""))
-
 
 @dataclass(frozen=True)
-class ShiftDone:
+class ShiftDone(Wire):
     """Shift `shift_id` finished: the device now serves `role`; `timings` is what each phase took."""
 
     shift_id: str
@@ -368,18 +251,9 @@ class ShiftDone:
     from_role: str | None
     timings: ShiftTimings
 
-    def to_wire(self) -> dict[str, Any]:
-        return {"shift_id": self.shift_id, "role": self.role, "from_role": self.from_role,
-                "timings": timings_to_wire(self.timings)}
-
-    @classmethod
-    def from_wire(cls, d: Mapping[str, Any]) -> ShiftDone:
-        return cls(str(d["shift_id"]), _opt_str(d.get("role")), _opt_str(d.get("from_role")),
-                   timings_from_wire(d.get("timings") or {}))
-
 
 @dataclass
-class SyncReport:
+class SyncReport(Wire):
     """Everything a role host has to say since its last sync, and how many more items it can take."""
 
     worker: str
@@ -393,39 +267,6 @@ class SyncReport:
     flushed: GradResult | None = None
     shift_done: ShiftDone | None = None
 
-    def empty(self) -> bool:
-        return not (self.finished or self.aborted or self.progress or self.steps or self.flushed
-                    or self.shift_done)
-
-    def to_wire(self) -> dict[str, Any]:
-        return {
-            "worker": self.worker,
-            "session": self.session,
-            "free": self.free,
-            "sync_s": self.sync_s,
-            "finished": [r.to_wire() for r in self.finished],
-            "aborted": [p.to_wire() for p in self.aborted],
-            "progress": [p.to_wire() for p in self.progress],
-            "steps": [s.to_wire() for s in self.steps],
-            "flushed": None if self.flushed is None else self.flushed.to_wire(),
-            "shift_done": None if self.shift_done is None else self.shift_done.to_wire(),
-        }
-
-    @classmethod
-    def from_wire(cls, d: Mapping[str, Any]) -> SyncReport:
-        return cls(
-            worker=str(d["worker"]),
-            session=str(d.get("session") or ""),
-            free=int(d.get("free", 0)),
-            sync_s=float(d.get("sync_s", 0.0)),
-            finished=[ItemResult.from_wire(r) for r in d.get("finished") or ()],
-            aborted=[Partial.from_wire(p) for p in d.get("aborted") or ()],
-            progress=[Progress.from_wire(p) for p in d.get("progress") or ()],
-            steps=[StepSample.from_wire(s) for s in d.get("steps") or ()],
-            flushed=None if d.get("flushed") is None else GradResult.from_wire(d["flushed"]),
-            shift_done=None if d.get("shift_done") is None else ShiftDone.from_wire(d["shift_done"]),
-        )
-
     def merge_back(self, later: SyncReport) -> None:
         """Put this (unsent) report's contents in front of `later`'s: nothing is lost when a sync fails."""
         later.finished[:0] = self.finished
@@ -437,7 +278,7 @@ class SyncReport:
 
 
 @dataclass
-class SyncReply:
+class SyncReply(Wire):
     """The scheduler's commands for one role host. `unknown`: the scheduler does not know this worker (not
     joined yet, lost, or of another session): it should stand by and sync again."""
 
@@ -447,21 +288,4 @@ class SyncReply:
     flush: bool = False
     unknown: bool = False
 
-    def to_wire(self) -> dict[str, Any]:
-        return {
-            "assign": [w.to_wire() for w in self.assign],
-            "abort": list(self.abort),
-            "shift": None if self.shift is None else self.shift.to_wire(),
-            "flush": self.flush,
-            "unknown": self.unknown,
-        }
 
-    @classmethod
-    def from_wire(cls, d: Mapping[str, Any]) -> SyncReply:
-        return cls(
-            assign=[WorkItem.from_wire(w) for w in d.get("assign") or ()],
-            abort=[str(i) for i in d.get("abort") or ()],
-            shift=None if d.get("shift") is None else ShiftCommand.from_wire(d["shift"]),
-            flush=bool(d.get("flush")),
-            unknown=bool(d.get("unknown")),
-        )
