@@ -341,6 +341,16 @@ class GenerationEngine(RequestBook):
             out += self._release(rows, ["abort"] * len(rows))
         return out
 
+    def partials(self) -> dict[str, tuple[list[int], list[float]]]:
+        """seq_id -> (generated ids, their log-probs) so far, for every running sequence, without stopping
+        any: a caller can keep a copy so that a lost device loses only the tokens since (resumed through
+        `GenRequest(..., generated_ids=...)`). Resumed tokens are included, as `abort` would return them."""
+        counts = self.n_gen[: len(self.running)].tolist()
+        return {
+            run.req.seq_id: (self.gen_buf[row, :n].tolist(), self.lp_buf[row, :n].tolist())
+            for row, (run, n) in enumerate(zip(self.running, counts))
+        }
+
     def load_state_dict(self, state_dict) -> None:
         """Swap weights in place (a new policy version). Running sequences keep their cached KV."""
         self._check_live()

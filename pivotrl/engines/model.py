@@ -43,6 +43,13 @@ def _head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def _inv_freq(config) -> torch.Tensor:
+    """RoPE inverse frequencies [head_dim / 2] in fp32 (on the default device), computed as HF computes
+    them, so the rotary tables round the same way."""
+    d = _head_dim(config)
+    return 1.0 / (_rope_theta(config) ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square norm computed in fp32 (as HF does) and cast back to the input dtype."""
 
@@ -498,9 +505,7 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
-        d = _head_dim(config)
-        inv_freq = 1.0 / (_rope_theta(config) ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("inv_freq", _inv_freq(config), persistent=False)
         self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
         # The native decode kernels (`kernels.native()`), set by an engine that wants them; None: torch ops.
         self.native: object | None = None
@@ -508,9 +513,23 @@ class CausalLM(nn.Module):
     # -- construction -------------------------------------------------------------------------------------
     @classmethod
     def from_config(cls, config, device="cpu", dtype: torch.dtype = torch.float32) -> CausalLM:
+        """A randomly initialised model (as `nn.Linear`/`nn.Embedding` initialise) in `dtype`."""
         with torch.device(device):
             model = cls(config)
         return model.to(dtype=dtype)
+
+    @classmethod
+    def empty(cls, config, device="cpu", dtype: torch.dtype = torch.float32) -> CausalLM:
+        """Parameters allocated in `dtype` but not initialised, for loading a state dict into: initialising
+        weights that are overwritten at once is most of a small model's build time on CPU. `inv_freq` (the
+        one non-persistent buffer) is computed as `__init__` does and kept fp32, as the rotary tables are."""
+        with torch.device("meta"):
+            model = cls(config)
+        model = model.to(dtype).to_empty(device=device)
+        if getattr(config, "tie_word_embeddings", False):  # allocating unties shared parameters
+            model.lm_head.weight = model.model.embed_tokens.weight
+        model.inv_freq = _inv_freq(config).to(device)
+        return model
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device="cpu", dtype: torch.dtype = torch.float32) -> CausalLM:

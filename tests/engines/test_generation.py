@@ -77,6 +77,20 @@ def test_abort_then_resume_on_another_engine_is_identical(model, sampling):
         assert torch.allclose(torch.tensor(res.logprobs), torch.tensor(ref.logprobs), atol=1e-4)
 
 
+def test_partials_are_what_abort_would_return_and_stop_nothing(model):
+    engine = _engine(model, max_batch=2)  # 2 run, 1 waits: partials covers the running ones only
+    for r in _reqs(_prompts(3, seed=4)):
+        engine.add(r)
+    for _ in range(5):
+        engine.step()
+    partials = engine.partials()
+    assert set(partials) == {"s0", "s1"} and engine.num_running == 2
+    aborted = {r.seq_id: r for r in engine.abort(["s0", "s1"])}
+    for seq_id, (ids, logprobs) in partials.items():
+        assert len(ids) == 5 and ids == aborted[seq_id].generated_ids
+        assert logprobs == aborted[seq_id].logprobs
+
+
 def test_logprobs_match_teacher_forced_forward(model):
     sampling = SamplingParams(temperature=0.7, top_p=0.8, max_new_tokens=25, stop_ids=(), seed=3)
     results = _engine(model).generate(_reqs(_prompts(4, seed=2), sampling))

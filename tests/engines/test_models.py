@@ -75,6 +75,27 @@ def _random_weights(config, seed):
     return out
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_empty_model_loads_to_the_same_model_as_from_config(dtype):
+    config = make_config("debug")
+    sd = init_state_dict(config, seed=3)
+    ref = CausalLM.from_config(config, dtype=dtype).eval()
+    ref.load_state_dict(sd)
+    model = CausalLM.empty(config, dtype=dtype).eval()
+    model.load_state_dict(sd)
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied
+    assert {p.dtype for p in model.parameters()} == {dtype}
+    assert model.inv_freq.dtype == torch.float32
+    assert torch.equal(model.inv_freq, CausalLM.from_config(config).inv_freq)
+    ids = torch.randint(0, config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        got = model(ids)
+    if dtype == torch.float32:
+        with torch.no_grad():
+            assert torch.equal(got, ref(ids))
+    assert torch.isfinite(got).all()
+
+
 @pytest.mark.parametrize(("arch", "tied"), [("qwen2", True), ("qwen2", False), ("llama", True)])
 def test_logits_equal_transformers(arch, tied):
     from transformers import LlamaForCausalLM, Qwen2ForCausalLM
