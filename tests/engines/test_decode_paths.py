@@ -11,7 +11,8 @@ import torch.nn.functional as F
 
 from pivotrl.engines import kernels
 from pivotrl.engines.generation import GenerationEngine, GenRequest, SamplingParams
-from pivotrl.engines.model import CausalLM, KVSlots
+from pivotrl.engines.kv_cache import KVSlots
+from pivotrl.engines.model import CausalLM
 from pivotrl.engines.models import init_state_dict, make_config
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=40, stop_ids=())

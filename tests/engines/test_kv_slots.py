@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from pivotrl.engines.model import KEY_BLOCK, KVSlots
+from pivotrl.engines.kv_cache import KEY_BLOCK, KVSlots
 from pivotrl.engines.models import make_config
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pivotrl.engines.model import CausalLM, KVSlots, num_parameters
+from pivotrl.engines.kv_cache import KVSlots
+from pivotrl.engines.model import CausalLM, num_parameters
 from pivotrl.engines.models import (
     BOS_ID,
     EOS_ID,

@@ -1,6 +1,6 @@
-"""The native matmul (`csrc/linear.cpp`, used through `model.PackedWeight`) computes x @ W^T + b for every
+"""The native matmul (`csrc/linear.cpp`, used through `cpu_pack.PackedWeight`) computes x @ W^T + b for every
 shape the engine gives it (row and column tails, N-D inputs), and a model running on it never decodes with
-stale weights (the per-step plan of `CausalLM._plan` follows in-place updates and `load_state_dict`)."""
+stale weights (the per-step plan of `cpu_pack.plan` follows in-place updates and `load_state_dict`)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,10 @@ import torch
 import torch.nn.functional as F
 
 from pivotrl.engines import kernels
+from pivotrl.engines.cpu_pack import PackedWeight
 from pivotrl.engines.generation import GenerationEngine, GenRequest, SamplingParams
-from pivotrl.engines.model import CausalLM, KVSlots, PackedWeight
+from pivotrl.engines.kv_cache import KVSlots
+from pivotrl.engines.model import CausalLM
 from pivotrl.engines.models import init_state_dict, make_config
 
 NATIVE = kernels.native()
