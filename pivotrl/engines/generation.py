@@ -45,9 +45,9 @@ from typing import Any, Literal
 import torch
 
 from pivotrl.engines import kernels
+from pivotrl.engines.checkpoints import EOS_ID, from_pretrained
 from pivotrl.engines.kv_cache import KVSlots
 from pivotrl.engines.model import CausalLM
-from pivotrl.engines.models import EOS_ID
 
 FinishReason = Literal["stop", "length", "abort"]
 _MASK32 = 0xFFFFFFFF
@@ -234,7 +234,7 @@ class GenerationEngine(RequestBook):
             raise ValueError("kv_budget_tokens and max_batch must be >= 1")
         self.device = torch.device(device)
         if isinstance(model, (str, Path)):
-            model = CausalLM.from_pretrained(model, device=self.device, dtype=dtype or torch.float32)
+            model = from_pretrained(model, device=self.device, dtype=dtype or torch.float32)
         self.model = model.to(self.device).eval()
         if dtype is not None:
             self.model.to(dtype)

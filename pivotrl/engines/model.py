@@ -15,14 +15,13 @@ engine switched them on, else through the same math in torch ops. Both work in f
 `tests/engines/test_decode_paths.py` checks every path against the plain forward.
 
 Elsewhere: the KV cache layout (`kv_cache.py`), CPU weight packing and fused matmuls (`cpu_pack.py`),
-config-derived sizes (`arch.py`), and loading/saving HF directories (`models.py`).
+config-derived sizes (`arch.py`), and loading/saving HF directories (`checkpoints.py`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -232,7 +231,7 @@ class CausalLM(nn.Module):
         # The native decode kernels (`kernels.native()`), set by an engine that wants them; None: torch ops.
         self.native: object | None = None
 
-    # -- construction -------------------------------------------------------------------------------------
+    # -- construction (loading from a checkpoint directory: `checkpoints.from_pretrained`) ----------------
     @classmethod
     def from_config(cls, config, device="cpu", dtype: torch.dtype = torch.float32) -> CausalLM:
         """A randomly initialised model (as `nn.Linear`/`nn.Embedding` initialise) in `dtype`."""
@@ -252,14 +251,6 @@ class CausalLM(nn.Module):
             model.lm_head.weight = model.model.embed_tokens.weight
         model.inv_freq = arch.inv_freq(config).to(device)
         return model
-
-    @classmethod
-    def from_pretrained(cls, path: str | Path, device="cpu", dtype: torch.dtype = torch.float32) -> CausalLM:
-        from pivotrl.engines.models import load_config, load_state_dict
-
-        model = cls.from_config(load_config(path), device=device, dtype=dtype)
-        model.load_state_dict(load_state_dict(path))
-        return model.eval()
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """As `nn.Module.load_state_dict`, accepting a state dict without the tied `lm_head.weight`."""

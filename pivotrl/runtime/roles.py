@@ -24,8 +24,8 @@ import torch
 def _build_model(spec: dict[str, Any], device: str, state: dict[str, torch.Tensor]) -> Any:
     """The model with `state` loaded, built without a random initialisation (most of a shift's load time
     for a small model on CPU would otherwise go to initialising weights that are overwritten at once)."""
+    from pivotrl.engines.checkpoints import load_config
     from pivotrl.engines.model import CausalLM
-    from pivotrl.engines.models import load_config
 
     dtype = getattr(torch, spec.get("dtype", "float32"))
     config = load_config(spec["hf_dir"])

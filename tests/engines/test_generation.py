@@ -8,6 +8,7 @@ import random
 import pytest
 import torch
 
+from pivotrl.engines.checkpoints import from_pretrained
 from pivotrl.engines.generation import (
     GenerationEngine,
     GenRequest,
@@ -15,14 +16,13 @@ from pivotrl.engines.generation import (
     keyed_uniform,
     sample_tokens,
 )
-from pivotrl.engines.model import CausalLM
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=40, stop_ids=())
 
 
 @pytest.fixture(scope="module")
 def model(debug_model_dir):
-    return CausalLM.from_pretrained(debug_model_dir)
+    return from_pretrained(debug_model_dir)
 
 
 def _engine(model, **kw):
@@ -214,9 +214,9 @@ def test_stats_and_offload(model):
 
 
 def test_load_state_dict_swaps_weights(model, debug_model_dir):
-    from pivotrl.engines.models import load_state_dict
+    from pivotrl.engines.checkpoints import load_state_dict
 
-    engine = _engine(CausalLM.from_pretrained(debug_model_dir))
+    engine = _engine(from_pretrained(debug_model_dir))
     req = [GenRequest("a", [1, 4, 5, 6], SamplingParams(temperature=0, max_new_tokens=15, stop_ids=()))]
     before = engine.generate(req)[0].generated_ids
     sd = {k: v * 3 for k, v in load_state_dict(debug_model_dir).items()}

@@ -5,9 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pivotrl.engines.kv_cache import KVSlots
-from pivotrl.engines.model import CausalLM, num_parameters
-from pivotrl.engines.models import (
+from pivotrl.engines.checkpoints import (
     BOS_ID,
     EOS_ID,
     MODEL_SIZES,
@@ -18,6 +16,8 @@ from pivotrl.engines.models import (
     load_state_dict,
     make_config,
 )
+from pivotrl.engines.kv_cache import KVSlots
+from pivotrl.engines.model import CausalLM, num_parameters
 
 
 def test_tokenizer_roundtrip_and_autotokenizer(tmp_path):
