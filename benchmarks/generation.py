@@ -49,9 +49,9 @@ from pathlib import Path
 
 import torch
 
+from pivotrl.engines.checkpoints import PAD_ID, build_tokenizer, create_model, from_pretrained
 from pivotrl.engines.generation import GenerationEngine, GenRequest, SamplingParams
 from pivotrl.engines.model import CausalLM, num_parameters
-from pivotrl.engines.models import PAD_ID, build_tokenizer, create_model
 from pivotrl.tasks import get_task
 
 LENGTH_CAP = 512
@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     tok = build_tokenizer()
     with tempfile.TemporaryDirectory() as tmp:
         path = create_model("small", Path(tmp) / "small", seed=args.seed)
-        model = CausalLM.from_pretrained(path, dtype=dtype)
+        model = from_pretrained(path, dtype=dtype)
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").eval()
 
     problems = get_task("sort").sample(256, args.seed)

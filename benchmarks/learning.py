@@ -29,8 +29,8 @@ import torch
 
 from pivotrl.config import PipelineConfig, add_override_argument, load_config
 from pivotrl.engines.bootstrap import corrupt_answer, ensure_bootstrap
+from pivotrl.engines.checkpoints import build_tokenizer
 from pivotrl.engines.genrm import GenRMJudge, JudgeTemplate
-from pivotrl.engines.models import build_tokenizer
 from pivotrl.loop import engine_generate_fn, load_policy, make_engine, rollout_stage, run_loop
 from pivotrl.tasks import get_task
 

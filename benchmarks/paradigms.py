@@ -50,7 +50,7 @@ def workload(quick: bool, storage: Path, model_size: str) -> Any:
     """The one workload every paradigm runs. The planner's look-ahead and cooldown are scaled to this
     workload's stages (each lasts ~1 s on the debug model): a 10 s horizon would plan past the iteration."""
     from pivotrl.config import PipelineConfig
-    from pivotrl.engines.models import ensure_model
+    from pivotrl.engines.checkpoints import ensure_model
 
     policy = ensure_model(storage, f"bench-policy-{model_size}", model_size, seed=11)
     judge = ensure_model(storage, f"bench-judge-{model_size}", model_size, seed=12)

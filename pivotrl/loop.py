@@ -366,9 +366,9 @@ class LoopResult:
 
 
 def load_policy(path: str | Path):
-    from pivotrl.engines.model import CausalLM
+    from pivotrl.engines.checkpoints import from_pretrained
 
-    return CausalLM.from_pretrained(path)
+    return from_pretrained(path)
 
 
 def make_engine(model, engine_cfg):
@@ -409,7 +409,7 @@ def run_loop(
 ) -> LoopResult:
     """Run GRPO with the GenRM reward for ``iterations`` (or until ``time_budget_s``), evaluating every
     ``eval_every`` iterations and at the end. The verifier measures only."""
-    from pivotrl.engines.models import build_tokenizer, load_config, save_hf
+    from pivotrl.engines.checkpoints import build_tokenizer, load_config, save_hf
 
     torch.manual_seed(cfg.run.seed)
     tokenizer = build_tokenizer()

@@ -7,8 +7,8 @@ import pytest
 from pivotrl import loop as L
 from pivotrl.config import PipelineConfig, load_config
 from pivotrl.engines.bootstrap import ensure_bootstrap
+from pivotrl.engines.checkpoints import build_tokenizer
 from pivotrl.engines.genrm import GenRMJudge
-from pivotrl.engines.models import build_tokenizer
 from pivotrl.engines.trainer import GRPOTrainer
 from pivotrl.tasks import get_task
 

@@ -123,7 +123,7 @@ def judge_pairs(
 
 def build_config(sft: SFTConfig):
     """An HF Qwen2 config from the engine's `debug` preset with the SFT section's shape overrides."""
-    from pivotrl.engines.models import make_config
+    from pivotrl.engines.checkpoints import make_config
 
     base = make_config(sft.base_size)
     if not sft.shape:
@@ -135,8 +135,8 @@ def build_config(sft: SFTConfig):
 
 
 def new_model(config, seed: int):
+    from pivotrl.engines.checkpoints import init_state_dict
     from pivotrl.engines.model import CausalLM
-    from pivotrl.engines.models import init_state_dict
 
     model = CausalLM.from_config(config)
     model.load_state_dict(init_state_dict(config, seed))
@@ -264,7 +264,7 @@ def _data_seed(sft: SFTConfig, role: str) -> int:
 
 def train_role(cfg: PipelineConfig, role: str, out_dir: str | Path, threads: int = 1) -> dict[str, Any]:
     """Train one bootstrap model from scratch and save it (HF format, version 0) to ``out_dir``."""
-    from pivotrl.engines.models import build_tokenizer, save_hf
+    from pivotrl.engines.checkpoints import build_tokenizer, save_hf
     from pivotrl.malloc import keep_freed_memory
 
     keep_freed_memory()  # SFT steps free and re-allocate the same buffers: see pivotrl/malloc.py
@@ -282,8 +282,8 @@ def train_role(cfg: PipelineConfig, role: str, out_dir: str | Path, threads: int
         pairs, _ = judge_pairs(task, problems, JudgeTemplate(), seed=_data_seed(sft_cfg, role))
     torch.manual_seed(sft_cfg.seed)
     if role == "genrm" and sft_cfg.init == "policy":
-        from pivotrl.engines.models import load_config as load_hf_config
-        from pivotrl.engines.models import load_state_dict
+        from pivotrl.engines.checkpoints import load_config as load_hf_config
+        from pivotrl.engines.checkpoints import load_state_dict
 
         policy_dir = model_dir(cfg, "policy")
         config = load_hf_config(policy_dir)

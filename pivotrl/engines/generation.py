@@ -14,7 +14,7 @@ resume that partial sequence on *another* device. This engine does exactly that:
   cache on huge pages where the kernel allows (`malloc.huge_pages`). `dtype=torch.bfloat16` casts the
   weights once at build; sampling and log-probs stay fp32, computed from the logits. fp32 is the default.
 * **KV cache.** One pre-allocated slot cache, `[layers, 2, max_batch, kv_heads, cap, head_dim]` (see
-  `model.KVSlots`; keys in transposed blocks of 16 positions). Running sequences are kept compact in slots
+  `kv_cache.KVSlots`; keys in transposed blocks of 16 positions). Running sequences are kept compact in slots
   0..B-1 (a finished row is replaced by the last row), so decode attends to a plain view, never a gather.
   `cap` starts small and doubles when a sequence needs more room — a rare, amortised copy, never a
   per-step reallocation.
@@ -45,8 +45,9 @@ from typing import Any, Literal
 import torch
 
 from pivotrl.engines import kernels
-from pivotrl.engines.model import CausalLM, KVSlots
-from pivotrl.engines.models import EOS_ID
+from pivotrl.engines.checkpoints import EOS_ID, from_pretrained
+from pivotrl.engines.kv_cache import KVSlots
+from pivotrl.engines.model import CausalLM
 
 FinishReason = Literal["stop", "length", "abort"]
 _MASK32 = 0xFFFFFFFF
@@ -233,7 +234,7 @@ class GenerationEngine(RequestBook):
             raise ValueError("kv_budget_tokens and max_batch must be >= 1")
         self.device = torch.device(device)
         if isinstance(model, (str, Path)):
-            model = CausalLM.from_pretrained(model, device=self.device, dtype=dtype or torch.float32)
+            model = from_pretrained(model, device=self.device, dtype=dtype or torch.float32)
         self.model = model.to(self.device).eval()
         if dtype is not None:
             self.model.to(dtype)
@@ -244,7 +245,7 @@ class GenerationEngine(RequestBook):
         cpu = torch.device(self.device).type == "cpu"
         self.model.native = kernels.native() if native_kernels and cpu else None
         self.native_kernels = self.model.native is not None
-        # Weights packed once on CPU (`model.PackedWeight`: the native matmul, else oneDNN's): faster
+        # Weights packed once on CPU (`cpu_pack.PackedWeight`: the native matmul, else oneDNN's): faster
         # decode matmuls; refreshed when weights change.
         self.packed = self.model.pack_for_inference(pack_weights)
         self.kv_budget_tokens = kv_budget_tokens
@@ -340,6 +341,16 @@ class GenerationEngine(RequestBook):
         if rows:
             out += self._release(rows, ["abort"] * len(rows))
         return out
+
+    def partials(self) -> dict[str, tuple[list[int], list[float]]]:
+        """seq_id -> (generated ids, their log-probs) so far, for every running sequence, without stopping
+        any: a caller can keep a copy so that a lost device loses only the tokens since (resumed through
+        `GenRequest(..., generated_ids=...)`). Resumed tokens are included, as `abort` would return them."""
+        counts = self.n_gen[: len(self.running)].tolist()
+        return {
+            run.req.seq_id: (self.gen_buf[row, :n].tolist(), self.lp_buf[row, :n].tolist())
+            for row, (run, n) in enumerate(zip(self.running, counts))
+        }
 
     def load_state_dict(self, state_dict) -> None:
         """Swap weights in place (a new policy version). Running sequences keep their cached KV."""

@@ -4,7 +4,7 @@ Why: see `csrc/decode_attention.cpp` — between its matmuls, one decode step is
 (RoPE, KV store, small batched attention matmuls, softmax, residual adds, norms, SwiGLU), and on CPU their
 fixed costs, not their FLOPs, dominate a small model's step. The kernels fuse them: one attention call
 per layer, one add+norm between sublayers, one silu*mul. `csrc/linear.cpp` adds the step's matmuls for
-decode-sized batches (fp32 on AVX-512, bf16 on AVX512-BF16; `model.PackedWeight` uses them, oneDNN
+decode-sized batches (fp32 on AVX-512, bf16 on AVX512-BF16; `cpu_pack.PackedWeight` uses them, oneDNN
 otherwise). The kernel is built with
 `torch.utils.cpp_extension.load` (a C++ compiler and ninja are needed; the build is cached under torch's
 extensions directory, about 40 s the first time on a 2-core box, instant after). Where it cannot be built

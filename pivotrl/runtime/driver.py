@@ -75,7 +75,7 @@ def load_tokenizer(model_dir: Path) -> Any:
     silently corrupt every prompt. Real checkpoints load with `AutoTokenizer`."""
     from transformers import AutoTokenizer
 
-    from pivotrl.engines.models import build_tokenizer, load_config, vocab_size
+    from pivotrl.engines.checkpoints import build_tokenizer, load_config, vocab_size
 
     if int(getattr(load_config(model_dir), "vocab_size", -1)) == vocab_size():
         return build_tokenizer()
@@ -83,7 +83,7 @@ def load_tokenizer(model_dir: Path) -> Any:
 
 
 def worker_role_specs(cfg: PipelineConfig, paths: dict[str, Path], run_id: str) -> dict[str, dict[str, Any]]:
-    from pivotrl.engines.models import PAD_ID
+    from pivotrl.engines.checkpoints import PAD_ID
 
     pol, rm = cfg.models.policy, cfg.models.genrm
     return {
@@ -195,12 +195,11 @@ class Owner:
     def __init__(self, cfg: PipelineConfig, policy_dir: Path, gps: Any) -> None:
         import torch
 
-        from pivotrl.engines.model import CausalLM
-        from pivotrl.engines.models import PAD_ID
+        from pivotrl.engines.checkpoints import PAD_ID, from_pretrained
         from pivotrl.loop import make_trainer
 
         self.cfg, self.gps = cfg, gps
-        self.model = CausalLM.from_pretrained(policy_dir, dtype=getattr(torch, cfg.models.policy.dtype))
+        self.model = from_pretrained(policy_dir, dtype=getattr(torch, cfg.models.policy.dtype))
         self.trainer = make_trainer(cfg, self.model, PAD_ID)  # the single-process loop's owner, same settings
         self.last_stats: dict[str, Any] = {}
 
@@ -360,7 +359,7 @@ def run_pipeline(
         owner = Owner(cfg, paths["policy"], gps)
         owner.publish()  # version 0 of the policy
         gps.pin(cfg.models.policy.name, 0)  # the KL reference and the baseline: never garbage-collected
-        from pivotrl.engines.models import load_state_dict as load_hf
+        from pivotrl.engines.checkpoints import load_state_dict as load_hf
 
         gps.publish(cfg.models.genrm.name, 0, load_hf(paths["genrm"]))
         gps.flush()
@@ -452,7 +451,7 @@ def run_pipeline(
             result.timeline, result.events = m["timeline"], m["events"]
             result.shifts = [e for e in m["events"] if e["kind"] == "shift_done" and e.get("src")]
         if save_final:
-            from pivotrl.engines.models import save_hf
+            from pivotrl.engines.checkpoints import save_hf
 
             result.final_policy = save_hf(
                 owner.model, owner.model.config, tokenizer, run_dir / "policy-final"

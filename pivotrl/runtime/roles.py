@@ -24,24 +24,17 @@ import torch
 def _build_model(spec: dict[str, Any], device: str, state: dict[str, torch.Tensor]) -> Any:
     """The model with `state` loaded, built without a random initialisation (most of a shift's load time
     for a small model on CPU would otherwise go to initialising weights that are overwritten at once)."""
-    from pivotrl.engines import model as compact
-    from pivotrl.engines.models import load_config
+    from pivotrl.engines.checkpoints import load_config
+    from pivotrl.engines.model import CausalLM
 
     dtype = getattr(torch, spec.get("dtype", "float32"))
     config = load_config(spec["hf_dir"])
     try:
-        with torch.device("meta"):
-            model = compact.CausalLM(config)
-        model = model.to_empty(device=device).to(dtype)
-        if getattr(config, "tie_word_embeddings", False):  # to_empty unties shared parameters
-            model.lm_head.weight = model.model.embed_tokens.weight
-        d = compact._head_dim(config)  # the one non-persistent buffer: recomputed as the module does
-        inv = 1.0 / (compact._rope_theta(config) ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-        model.inv_freq = inv.to(device)
+        model = CausalLM.empty(config, device=device, dtype=dtype)
         model.load_state_dict(state)
         return model
     except (AttributeError, RuntimeError, TypeError):
-        model = compact.CausalLM.from_config(config, device=device, dtype=dtype)
+        model = CausalLM.from_config(config, device=device, dtype=dtype)
         model.load_state_dict(state)
         return model
 
@@ -70,7 +63,6 @@ class GenerationContext(_Weights):
         super().__init__(role, spec)
         self.engine: Any = None
         self.max_batch = int(spec.get("max_batch", 64))
-        self.live: set[str] = set()  # ids added and not yet finished or aborted
         self.live: set[str] = set()  # ids added and not yet finished or aborted
 
     def load(self, env: Any, state: dict[str, torch.Tensor]) -> None:
@@ -172,17 +164,10 @@ class GenerationContext(_Weights):
         ]
 
     def progress(self) -> dict[str, tuple[list[int], list[float]]]:
-        """Tokens generated so far by running sequences, so a lost worker's work is not all lost.
-        Reads the engine's per-row buffers (the engine has no public accessor for partials yet)."""
-        eng = self.engine
-        try:
-            counts = eng.n_gen[: len(eng.running)].tolist()
-            return {
-                run.req.seq_id: (eng.gen_buf[row, :n].tolist(), eng.lp_buf[row, :n].tolist())
-                for row, (run, n) in enumerate(zip(eng.running, counts))
-            }
-        except AttributeError:
-            return {}
+        """Tokens generated so far by running sequences, so a lost worker's work is not all lost
+        (empty for an engine without `partials`, e.g. vLLM's, or none built)."""
+        partials = getattr(self.engine, "partials", None)
+        return partials() if partials is not None else {}
 
     def flush(self) -> None:
         return None

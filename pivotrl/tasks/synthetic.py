@@ -5,7 +5,7 @@ static GPU splits idle, so our CPU-scale tasks reproduce it on purpose. Each fam
 from a clipped log-normal distribution, and the response length grows linearly with the size.
 
 All text uses a small character alphabet (digits, a few letters, space, `=`, `+`, `:`), which the
-character-level tokenizer in `pivotrl.engines.models` covers.
+character-level tokenizer in `pivotrl.engines.checkpoints` covers.
 
 * ``sort``: ``"sort 3 9 1 4="`` → ``"1 3 4 9"``. Response ≈ 2 × size characters.
 * ``sum``:  ``"sum 3 5 2="`` → ``"3 8 10"`` — running partial sums as the working, the last one the answer.

@@ -10,8 +10,8 @@ import torch
 from pivotrl.cli import main
 from pivotrl.config import PipelineConfig, load_config
 from pivotrl.engines import bootstrap as bs
+from pivotrl.engines.checkpoints import load_state_dict
 from pivotrl.engines.genrm import JudgeTemplate, parse_verdict
-from pivotrl.engines.models import load_state_dict
 from pivotrl.tasks import get_task
 
 TINY = {
@@ -91,7 +91,7 @@ def test_bootstrap_is_deterministic_and_cached(tmp_path):
 
 def test_sft_learns(tmp_path):
     """A few dozen steps on a fixed tiny set bring the loss well down (the SFT code actually trains)."""
-    from pivotrl.engines.models import build_tokenizer
+    from pivotrl.engines.checkpoints import build_tokenizer
 
     tok = build_tokenizer()
     task = get_task("sort", {"max_size": 3})
@@ -105,7 +105,7 @@ def test_sft_learns(tmp_path):
 def test_sft_length_chunks_give_the_dense_batch_step(tmp_path):
     """Running a batch as length-sorted chunks (less padding) takes the same optimizer step as one dense,
     padded batch: the loss is the same token mean, only the padding is skipped."""
-    from pivotrl.engines.models import build_tokenizer
+    from pivotrl.engines.checkpoints import build_tokenizer
 
     tok = build_tokenizer()
     task = get_task("sort", {"max_size": 10})

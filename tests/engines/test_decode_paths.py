@@ -10,9 +10,10 @@ import torch
 import torch.nn.functional as F
 
 from pivotrl.engines import kernels
+from pivotrl.engines.checkpoints import from_pretrained, init_state_dict, make_config
 from pivotrl.engines.generation import GenerationEngine, GenRequest, SamplingParams
-from pivotrl.engines.model import CausalLM, KVSlots
-from pivotrl.engines.models import init_state_dict, make_config
+from pivotrl.engines.kv_cache import KVSlots
+from pivotrl.engines.model import CausalLM
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=40, stop_ids=())
 NATIVE = kernels.native()
@@ -133,7 +134,7 @@ def test_engine_with_and_without_native_kernels_generates_the_same(debug_model_d
     runs = []
     for native in (True, False):
         engine = GenerationEngine(
-            CausalLM.from_pretrained(debug_model_dir),
+            from_pretrained(debug_model_dir),
             kv_budget_tokens=4096,
             max_batch=4,
             native_kernels=native,
@@ -153,7 +154,7 @@ def test_bf16_greedy_matches_fp32_on_most_positions(debug_model_dir):
     out = {}
     for dtype in (torch.float32, torch.bfloat16):
         engine = GenerationEngine(
-            CausalLM.from_pretrained(debug_model_dir), kv_budget_tokens=4096, max_batch=8, dtype=dtype
+            from_pretrained(debug_model_dir), kv_budget_tokens=4096, max_batch=8, dtype=dtype
         )
         assert engine.dtype == dtype
         out[dtype] = engine.generate(_reqs(prompts))
@@ -175,7 +176,7 @@ def test_bf16_abort_then_resume_on_another_engine_is_identical(debug_model_dir, 
 
     def engine(max_batch):
         return GenerationEngine(
-            CausalLM.from_pretrained(debug_model_dir),
+            from_pretrained(debug_model_dir),
             kv_budget_tokens=4096,
             max_batch=max_batch,
             dtype=torch.bfloat16,
@@ -209,7 +210,7 @@ def test_bf16_abort_then_resume_on_another_engine_is_identical(debug_model_dir, 
 def test_native_kernels_switched_off_fall_back_to_torch_ops(monkeypatch, debug_model_dir):
     monkeypatch.setenv("PIVOTRL_NATIVE_KERNELS", "0")
     assert kernels.native() is None
-    engine = GenerationEngine(CausalLM.from_pretrained(debug_model_dir), kv_budget_tokens=1024, max_batch=2)
+    engine = GenerationEngine(from_pretrained(debug_model_dir), kv_budget_tokens=1024, max_batch=2)
     assert engine.native_kernels is False and engine.model.native is None
     out = engine.generate(_reqs(_prompts(2, seed=5)))
     assert [len(r.generated_ids) for r in out] == [40, 40]

@@ -8,6 +8,7 @@ import random
 import pytest
 import torch
 
+from pivotrl.engines.checkpoints import from_pretrained
 from pivotrl.engines.generation import (
     GenerationEngine,
     GenRequest,
@@ -15,14 +16,13 @@ from pivotrl.engines.generation import (
     keyed_uniform,
     sample_tokens,
 )
-from pivotrl.engines.model import CausalLM
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=40, stop_ids=())
 
 
 @pytest.fixture(scope="module")
 def model(debug_model_dir):
-    return CausalLM.from_pretrained(debug_model_dir)
+    return from_pretrained(debug_model_dir)
 
 
 def _engine(model, **kw):
@@ -75,6 +75,20 @@ def test_abort_then_resume_on_another_engine_is_identical(model, sampling):
         assert res.generated_ids == ref.generated_ids, ref.seq_id
         assert res.finish_reason == ref.finish_reason == "length"
         assert torch.allclose(torch.tensor(res.logprobs), torch.tensor(ref.logprobs), atol=1e-4)
+
+
+def test_partials_are_what_abort_would_return_and_stop_nothing(model):
+    engine = _engine(model, max_batch=2)  # 2 run, 1 waits: partials covers the running ones only
+    for r in _reqs(_prompts(3, seed=4)):
+        engine.add(r)
+    for _ in range(5):
+        engine.step()
+    partials = engine.partials()
+    assert set(partials) == {"s0", "s1"} and engine.num_running == 2
+    aborted = {r.seq_id: r for r in engine.abort(["s0", "s1"])}
+    for seq_id, (ids, logprobs) in partials.items():
+        assert len(ids) == 5 and ids == aborted[seq_id].generated_ids
+        assert logprobs == aborted[seq_id].logprobs
 
 
 def test_logprobs_match_teacher_forced_forward(model):
@@ -200,9 +214,9 @@ def test_stats_and_offload(model):
 
 
 def test_load_state_dict_swaps_weights(model, debug_model_dir):
-    from pivotrl.engines.models import load_state_dict
+    from pivotrl.engines.checkpoints import load_state_dict
 
-    engine = _engine(CausalLM.from_pretrained(debug_model_dir))
+    engine = _engine(from_pretrained(debug_model_dir))
     req = [GenRequest("a", [1, 4, 5, 6], SamplingParams(temperature=0, max_new_tokens=15, stop_ids=()))]
     before = engine.generate(req)[0].generated_ids
     sd = {k: v * 3 for k, v in load_state_dict(debug_model_dir).items()}

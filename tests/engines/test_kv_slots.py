@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from pivotrl.engines.model import KEY_BLOCK, KVSlots
-from pivotrl.engines.models import make_config
+from pivotrl.engines.checkpoints import make_config
+from pivotrl.engines.kv_cache import KEY_BLOCK, KVSlots
 
 
 def _filled(max_len: int = 40, seed: int = 0):

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pivotrl.engines.model import CausalLM, KVSlots, num_parameters
-from pivotrl.engines.models import (
+from pivotrl.engines.checkpoints import (
     BOS_ID,
     EOS_ID,
     MODEL_SIZES,
@@ -17,6 +16,8 @@ from pivotrl.engines.models import (
     load_state_dict,
     make_config,
 )
+from pivotrl.engines.kv_cache import KVSlots
+from pivotrl.engines.model import CausalLM, num_parameters
 
 
 def test_tokenizer_roundtrip_and_autotokenizer(tmp_path):
@@ -73,6 +74,27 @@ def _random_weights(config, seed):
     if config.tie_word_embeddings:
         out["lm_head.weight"] = out["model.embed_tokens.weight"]
     return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_empty_model_loads_to_the_same_model_as_from_config(dtype):
+    config = make_config("debug")
+    sd = init_state_dict(config, seed=3)
+    ref = CausalLM.from_config(config, dtype=dtype).eval()
+    ref.load_state_dict(sd)
+    model = CausalLM.empty(config, dtype=dtype).eval()
+    model.load_state_dict(sd)
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied
+    assert {p.dtype for p in model.parameters()} == {dtype}
+    assert model.inv_freq.dtype == torch.float32
+    assert torch.equal(model.inv_freq, CausalLM.from_config(config).inv_freq)
+    ids = torch.randint(0, config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        got = model(ids)
+    if dtype == torch.float32:
+        with torch.no_grad():
+            assert torch.equal(got, ref(ids))
+    assert torch.isfinite(got).all()
 
 
 @pytest.mark.parametrize(("arch", "tied"), [("qwen2", True), ("qwen2", False), ("llama", True)])

@@ -1,6 +1,6 @@
-"""The native matmul (`csrc/linear.cpp`, used through `model.PackedWeight`) computes x @ W^T + b for every
+"""The native matmul (`csrc/linear.cpp`, used through `cpu_pack.PackedWeight`) computes x @ W^T + b for every
 shape the engine gives it (row and column tails, N-D inputs), and a model running on it never decodes with
-stale weights (the per-step plan of `CausalLM._plan` follows in-place updates and `load_state_dict`)."""
+stale weights (the per-step plan of `cpu_pack.plan` follows in-place updates and `load_state_dict`)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,11 @@ import torch
 import torch.nn.functional as F
 
 from pivotrl.engines import kernels
+from pivotrl.engines.checkpoints import from_pretrained, init_state_dict, make_config
+from pivotrl.engines.cpu_pack import PackedWeight
 from pivotrl.engines.generation import GenerationEngine, GenRequest, SamplingParams
-from pivotrl.engines.model import CausalLM, KVSlots, PackedWeight
-from pivotrl.engines.models import init_state_dict, make_config
+from pivotrl.engines.kv_cache import KVSlots
+from pivotrl.engines.model import CausalLM
 
 NATIVE = kernels.native()
 needs_native = pytest.mark.skipif(NATIVE is None, reason="native kernels do not build here (no compiler?)")
@@ -110,7 +112,7 @@ def test_native_decode_follows_weight_updates(dtype):
 @needs_native
 def test_offload_drops_every_packed_copy(debug_model_dir):
     """An offloaded engine gives the packed weights back: nothing on the model still refers to them."""
-    model = CausalLM.from_pretrained(debug_model_dir)
+    model = from_pretrained(debug_model_dir)
     engine = GenerationEngine(model, kv_budget_tokens=256, max_batch=2)
     sampling = SamplingParams(temperature=0.0, max_new_tokens=4, stop_ids=())
     engine.generate([GenRequest("a", [1, 5, 9], sampling)])  # decodes: the plan is built

@@ -48,7 +48,7 @@ def vllm_engine_factory(tmp_path_factory):
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("vLLM tests need a CUDA GPU")
-    from pivotrl.engines.models import create_model
+    from pivotrl.engines.checkpoints import create_model
     from pivotrl.engines.vllm_engine import VLLMEngine
 
     path = create_model("debug", tmp_path_factory.mktemp("vllm") / "debug", seed=0)
@@ -91,7 +91,7 @@ def test_vllm_abort_then_resume_matches_uninterrupted(vllm_engine_factory):
 @pytest.mark.vllm
 @pytest.mark.gpu
 def test_vllm_weights_sleep_and_wake(vllm_engine_factory):
-    from pivotrl.engines.models import load_state_dict
+    from pivotrl.engines.checkpoints import load_state_dict
 
     path, make = vllm_engine_factory
     greedy = SamplingParams(temperature=0.0, max_new_tokens=16, stop_ids=())

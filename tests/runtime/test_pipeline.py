@@ -8,7 +8,7 @@ import types
 import pytest
 
 from pivotrl.config import PipelineConfig
-from pivotrl.engines.models import build_tokenizer
+from pivotrl.engines.checkpoints import build_tokenizer
 from pivotrl.pipeline import (
     AdvantageStage,
     GenRMRewardStage,

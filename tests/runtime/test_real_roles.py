@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def small_gps(tmp_path_factory):
     """A `small` model (~12.6M parameters) published as version 0 of `policy` and `genrm` in a GPS."""
-    from pivotrl.engines.models import create_model, load_state_dict
+    from pivotrl.engines.checkpoints import create_model, load_state_dict
     from pivotrl.gps import ParameterStore
 
     root = tmp_path_factory.mktemp("gps")
@@ -43,7 +43,7 @@ def small_gps(tmp_path_factory):
 
 @pytest.mark.slow
 def test_small_model_shift_overhead_under_1_5_s(small_gps):
-    from pivotrl.engines.models import PAD_ID
+    from pivotrl.engines.checkpoints import PAD_ID
 
     root, model_dir, host = small_gps
     common = {"version": 0, "hf_dir": str(model_dir), "kv_budget_tokens": 4096, "max_batch": 8}
@@ -139,7 +139,7 @@ def test_parked_context_shifts_back_warm_and_follows_versions(tmp_path):
     """On CPU a device keeps the context of a role it leaves (parked): shifting back skips the build (no
     fetch, no load at the same version; only a weight swap at a newer one), and generates exactly what a
     freshly built context generates."""
-    from pivotrl.engines.models import create_model, init_state_dict, load_config, load_state_dict
+    from pivotrl.engines.checkpoints import create_model, init_state_dict, load_config, load_state_dict
     from pivotrl.gps import ParameterStore
 
     model_dir = create_model("debug", tmp_path / "m", seed=0)
@@ -208,7 +208,7 @@ def test_parked_context_shifts_back_warm_and_follows_versions(tmp_path):
 def test_submit_end_to_end_with_debug_models(tmp_path):
     """`pivotrl-pipeline submit` on 2 local workers: iterations run, shifts are printed with their phases,
     metrics land in Zarr under storage/runs/<id>/, the final policy is saved in HF format."""
-    from pivotrl.engines.models import create_model
+    from pivotrl.engines.checkpoints import create_model
 
     create_model("debug", tmp_path / "policy", seed=1)
     create_model("debug", tmp_path / "judge", seed=2)

@@ -6,8 +6,7 @@ from types import SimpleNamespace
 
 import torch
 
-from pivotrl.engines.model import CausalLM
-from pivotrl.engines.models import load_state_dict
+from pivotrl.engines.checkpoints import from_pretrained, load_state_dict
 from pivotrl.engines.trainer import LossConfig, TrainSample, compute_grad_sum
 from pivotrl.runtime.roles import TrainContext
 
@@ -55,7 +54,7 @@ def test_kl_reference_comes_from_the_gps_and_matches_the_trainer(debug_model_dir
         ctx.add(it)
     ctx.step()
 
-    policy, ref = CausalLM.from_pretrained(debug_model_dir), CausalLM.from_pretrained(debug_model_dir)
+    policy, ref = from_pretrained(debug_model_dir), from_pretrained(debug_model_dir)
     policy.load_state_dict(cur_sd)
     ref.load_state_dict(ref_sd)
     samples = [TrainSample([1, 5 + i, 7], [9, 10 + i, 2], 0.5 - i * 0.3) for i in range(3)]

@@ -1,8 +1,10 @@
-"""Tiny Hugging Face-format models and a character-level tokenizer, created here from a seed.
+"""Checkpoints in Hugging Face format: tiny models created here from a seed, the character-level
+tokenizer, and loading/saving model directories (`from_pretrained`, `save_hf`).
 
 Why HF format: the same loading code (config.json + model.safetensors + tokenizer.json) takes a tiny model
 made on this CPU box and a real Qwen2.5/Llama checkpoint on a GPU box, and vLLM reads the same directory.
-Nothing is downloaded: every model is built deterministically from (size, seed, arch).
+Nothing is downloaded: every model is built deterministically from (size, seed, arch). This module sits
+above the model (`model.py` knows nothing of files), so the two never import each other.
 
 The tokenizer is character level so that the synthetic tasks (digits, a few letters, spaces) need no
 trained merges: ids 0..3 are the specials ``<pad> <bos> <eos> <unk>``, then "\\n" and the 95 printable ASCII
@@ -21,6 +23,8 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
+
+from pivotrl.engines.model import CausalLM
 
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
 PAD_ID, BOS_ID, EOS_ID, UNK_ID = range(4)
@@ -111,8 +115,6 @@ def init_state_dict(config, seed: int = 0) -> dict[str, torch.Tensor]:
     Built from a private `torch.Generator` over sorted parameter names, so the result depends only on
     (config, seed) — not on HF's init code or the global RNG.
     """
-    from pivotrl.engines.model import CausalLM
-
     shapes = {k: v.shape for k, v in CausalLM.from_config(config, device="meta").state_dict().items()}
     gen = torch.Generator().manual_seed(seed)
     std = float(getattr(config, "initializer_range", 0.02))
@@ -171,6 +173,14 @@ def load_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     if "lm_head.weight" not in sd and (tied or path.is_file()) and "model.embed_tokens.weight" in sd:
         sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
     return sd
+
+
+def from_pretrained(path: str | Path, device="cpu", dtype: torch.dtype = torch.float32) -> CausalLM:
+    """The compact model with the weights of an HF directory (or .safetensors file next to its config),
+    in eval mode."""
+    model = CausalLM.from_config(load_config(path), device=device, dtype=dtype)
+    model.load_state_dict(load_state_dict(path))
+    return model.eval()
 
 
 def create_model(size: str, out_dir: str | Path, seed: int = 0, arch: str = "qwen2") -> Path:
