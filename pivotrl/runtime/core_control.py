@@ -109,8 +109,11 @@ class CoreControl:
         rid = self.rep_of_dev.get(dev)
         if rid is None or role is None:
             return None
+        from pivotrl.core.types import ShiftTimings
+
+        phases = {k: float(timings[k]) for k in ShiftTimings.PHASES if k in timings}  # "total" is derived
         try:
-            dec = self.ctl.on_shift_done(rid, now, timings)
+            dec = self.ctl.on_shift_done(rid, now, ShiftTimings(**phases, warm=bool(timings.get("warm"))))
         except KeyError:
             return None  # superseded by a later decision
         return self._convert(dec)

@@ -95,9 +95,9 @@ class IterationMeter:
         self.device_time0 = device_times(st)
         self.plan0 = (st.get("plan_s", 0.0), st.get("plans", 0))
 
-    def poll(self, out: dict[str, Any]) -> None:
-        """Called with each `collect` reply while an iteration runs."""
-        state, events = out["state"], out.get("events")
+    def poll(self, out: Any) -> None:
+        """Called with each `collect` reply (a `Collected`) while an iteration runs."""
+        state, events = out.state, out.events
         now = time.monotonic()
         dt = now - self._t_poll
         self._t_poll = now

@@ -11,6 +11,7 @@ import uuid
 from typing import Any
 
 from pivotrl.runtime.control import Control
+from pivotrl.runtime.messages import Collected, GradResult, GradStats, ItemResult, WorkRequest
 from pivotrl.runtime.scheduler_plugin import PivotSchedulerPlugin
 from pivotrl.runtime.worker_plugin import PivotWorkerPlugin
 
@@ -42,16 +43,11 @@ class RuntimeSession:
         handler = getattr(self.client.scheduler, name)
         return self.client.sync(handler, **kwargs)
 
-    def submit(self, items: list[dict[str, Any]]) -> int:
-        return self._call("pivotrl_submit", items=items) if items else 0
+    def submit(self, requests: list[WorkRequest]) -> int:
+        return self._call("pivotrl_submit", items=[r.to_wire() for r in requests]) if requests else 0
 
-    def collect(self) -> dict[str, Any]:
-        out = self._call("pivotrl_collect")
-        for res in out["results"]:  # msgpack hands sequences over as tuples
-            for key in ("generated", "logprobs", "items"):
-                if key in res:
-                    res[key] = list(res[key])
-        return out
+    def collect(self) -> Collected:
+        return collected_from_scheduler(self._call("pivotrl_collect"))
 
     def state(self) -> dict[str, Any]:
         return self._call("pivotrl_state")
@@ -91,3 +87,26 @@ class RuntimeSession:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"devices not ready (want {roles}) after {timeout_s}s: {st['workers']}")
             time.sleep(0.05)
+
+
+def collected_from_scheduler(out: dict[str, Any]) -> Collected:
+    """The scheduler extension's `pivotrl_collect` reply as a `Collected`: finished items are
+    `ItemResult`s; its `kind: grad` records (`{"id", "role": "train", "kind": "grad", "worker",
+    "ref": {"model", "version"}, "items", "stats"}`) are `GradResult`s. A temporary adapter, isolated
+    here, until the extension sends `Collected.to_wire()` itself."""
+    results, grads = [], []
+    for r in out.get("results") or ():
+        if r.get("kind") == "grad":
+            ref = r["ref"]
+            grads.append(
+                GradResult(
+                    model=str(ref["model"]),
+                    version=int(ref["version"]),
+                    items=[str(i) for i in r.get("items") or ()],
+                    stats=GradStats.from_wire(r["stats"]),
+                    worker=str(r.get("worker") or ""),
+                )
+            )
+        else:
+            results.append(ItemResult.from_wire(r))
+    return Collected(results, grads, list(out.get("events") or ()), dict(out.get("state") or {}))

@@ -23,6 +23,8 @@ from typing import Any
 
 from distributed.diagnostics.plugin import WorkerPlugin
 
+from pivotrl.runtime.messages import WorkItem
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_CONTEXTS = {
@@ -290,10 +292,11 @@ class PivotWorkerPlugin(WorkerPlugin):
             return False
         finished, sample = self.ctx.step()
         if sample is not None:
-            self._out["steps"].append(list(sample))
+            self._out["steps"].append([sample.concurrency, sample.step_time_s, sample.tokens])
         for res in finished:
-            self._reported.pop(res["id"], None)
-            self._out["finished"].append(res)
+            self._reported.pop(res.id, None)
+            w = res.to_wire()  # role/iteration/worker are the scheduler's to fill in: not sent
+            self._out["finished"].append({k: w[k] for k in ("id", "generated", "logprobs", "finish_reason")})
         if time.perf_counter() - self._last_progress >= self.progress_every_s:
             self._report_progress()
         return True
@@ -327,7 +330,8 @@ class PivotWorkerPlugin(WorkerPlugin):
         t0 = time.perf_counter()
         flushed = self.ctx.flush()
         if flushed is not None:
-            self._out["flushed"] = {**flushed, "seconds": time.perf_counter() - t0}
+            ref = {"model": flushed.model, "version": flushed.version}  # the scheduler reads "ref"
+            self._out["flushed"] = {**flushed.to_wire(), "ref": ref, "seconds": time.perf_counter() - t0}
 
     def _admit(self) -> None:
         """Hand pending items to the context; an item that needs another weights version waits until the
@@ -349,7 +353,7 @@ class PivotWorkerPlugin(WorkerPlugin):
                         "seconds": time.perf_counter() - t0,
                     }
                 )
-            self.ctx.add(item)
+            self.ctx.add(WorkItem.from_wire(item))
             self._reported[item["id"]] = len(item.get("generated", ()))
         self._pending = keep
 
@@ -368,6 +372,7 @@ class PivotWorkerPlugin(WorkerPlugin):
         back = [p for p in self._pending if wanted is None or p["id"] in wanted]
         self._pending = [p for p in self._pending if p not in back]
         parts = self.ctx.abort(None if ids is None else [i for i in ids if i not in pending_ids])
+        parts = [p.to_wire() for p in parts]
         for res in back:
             self._out["aborted"].append(
                 {"id": res["id"], "generated": res.get("generated", []), "logprobs": res.get("logprobs", [])}

@@ -2,8 +2,9 @@
 
 `CountingGen` "generates" token i of sequence s as a hash of (s, i), so a sequence aborted on one worker and
 resumed on another must end identical to an uninterrupted one — which the tests check. Each step does a
-small matmul so steps take real time. `SumTrain` accumulates a number per item and reports it at flush, so
-the tests can prove each train item lands in exactly one gradient sum.
+small matmul so steps take real time. `SumTrain` accumulates a number per item and reports it at flush (as
+the gradient sum's `loss_sum`), so the tests can prove each train item lands in exactly one sum. Both speak
+the typed `RoleContext` interface (`WorkItem` in; `ItemResult`, `StepSample`, `Partial`, `GradResult` out).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import zlib
 from typing import Any
 
 import torch
+
+from pivotrl.runtime.messages import GradResult, GradStats, ItemResult, Partial, StepSample, WorkItem
 
 
 def token(seq_id: str, index: int) -> int:
@@ -46,12 +49,8 @@ class CountingGen:
     def offload(self) -> None:
         self.w = None
 
-    def add(self, item: dict[str, Any]) -> None:
-        self.running[item["id"]] = {
-            "item": item,
-            "gen": list(item.get("generated", [])),
-            "lp": list(item.get("logprobs", [])),
-        }
+    def add(self, item: WorkItem) -> None:
+        self.running[item.id] = {"item": item, "gen": list(item.generated), "lp": list(item.logprobs)}
 
     def has_work(self) -> bool:
         return bool(self.running)
@@ -59,7 +58,7 @@ class CountingGen:
     def free_slots(self) -> int:
         return self.max_batch - len(self.running)
 
-    def step(self) -> tuple[list[dict[str, Any]], tuple[int, float, int]]:
+    def step(self) -> tuple[list[ItemResult], StepSample]:
         t0 = time.perf_counter()
         assert self.w is not None
         x = self.w
@@ -71,34 +70,23 @@ class CountingGen:
         for sid, st in list(self.running.items()):
             st["gen"].append(token(sid, len(st["gen"])))
             st["lp"].append(-0.5)
-            if len(st["gen"]) >= int(st["item"]["payload"]["target_len"]):
+            if len(st["gen"]) >= int(st["item"].payload["target_len"]):
                 del self.running[sid]
-                finished.append(
-                    {
-                        "id": sid,
-                        "generated": st["gen"],
-                        "logprobs": st["lp"],
-                        "finish_reason": "length",
-                        "pid": os.getpid(),
-                        "version": self.version,
-                    }
-                )
-        return finished, (n, time.perf_counter() - t0, n)
+                finished.append(ItemResult(sid, st["gen"], st["lp"], "length"))
+        return finished, StepSample(n, time.perf_counter() - t0, n)
 
-    def abort(self, ids: list[str] | None) -> list[dict[str, Any]]:
+    def abort(self, ids: list[str] | None) -> list[Partial]:
         out = []
         for sid in list(self.running) if ids is None else ids:
             st = self.running.pop(sid, None)
             if st is not None:
-                out.append(
-                    {"id": sid, "generated": st["gen"], "logprobs": st["lp"], "finish_reason": "abort"}
-                )
+                out.append(Partial(sid, st["gen"], st["lp"]))
         return out
 
     def progress(self) -> dict[str, tuple[list[int], list[float]]]:
         return {sid: (st["gen"], st["lp"]) for sid, st in self.running.items()}
 
-    def flush(self) -> dict[str, Any] | None:
+    def flush(self) -> GradResult | None:
         return None
 
 
@@ -109,11 +97,11 @@ class SumTrain(CountingGen):
 
     def __init__(self, role: str, spec: dict[str, Any]) -> None:
         super().__init__(role, spec)
-        self.queue: list[dict[str, Any]] = []
+        self.queue: list[WorkItem] = []
         self.total = 0.0
         self.done: list[str] = []
 
-    def add(self, item: dict[str, Any]) -> None:
+    def add(self, item: WorkItem) -> None:
         self.queue.append(item)
 
     def has_work(self) -> bool:
@@ -122,7 +110,7 @@ class SumTrain(CountingGen):
     def free_slots(self) -> int:
         return self.max_batch - len(self.queue)
 
-    def step(self) -> tuple[list[dict[str, Any]], tuple[int, float, int]]:
+    def step(self) -> tuple[list[ItemResult], StepSample]:
         t0 = time.perf_counter()
         batch, self.queue = self.queue[: self.max_batch], self.queue[self.max_batch :]
         end = t0 + self.step_s
@@ -130,24 +118,21 @@ class SumTrain(CountingGen):
         while time.perf_counter() < end:
             x = torch.tanh(x @ self.w)
         for item in batch:
-            self.total += float(item["payload"]["x"])
-            self.done.append(item["id"])
-        return [{"id": i["id"]} for i in batch], (len(batch), time.perf_counter() - t0, len(batch))
+            self.total += float(item.payload["x"])
+            self.done.append(item.id)
+        return [ItemResult(i.id) for i in batch], StepSample(len(batch), time.perf_counter() - t0, len(batch))
 
-    def abort(self, ids: list[str] | None) -> list[dict[str, Any]]:
-        back = [i for i in self.queue if ids is None or i["id"] in ids]
+    def abort(self, ids: list[str] | None) -> list[Partial]:
+        back = [i for i in self.queue if ids is None or i.id in ids]
         self.queue = [i for i in self.queue if i not in back]
-        return [{"id": i["id"], "generated": [], "logprobs": []} for i in back]
+        return [Partial(i.id) for i in back]
 
-    def flush(self) -> dict[str, Any] | None:
+    def flush(self) -> GradResult | None:
         if not self.done:
             return None
         SumTrain._flushes += 1
-        out = {
-            "ref": {"pid": os.getpid(), "n": SumTrain._flushes},
-            "items": list(self.done),
-            "stats": {"sum": self.total},
-        }
+        stats = GradStats(tokens=len(self.done), samples=len(self.done), version=0, loss_sum=self.total)
+        out = GradResult(f"sum-{os.getpid()}", SumTrain._flushes, list(self.done), stats)
         self.total, self.done = 0.0, []
         return out
 

@@ -14,6 +14,7 @@ import pytest
 
 from pivotrl.runtime.cluster import open_cluster
 from pivotrl.runtime.control import ManualControl
+from pivotrl.runtime.messages import WorkRequest
 from pivotrl.runtime.session import RuntimeSession
 from tests.runtime.fakes import token
 from tests.runtime.test_mechanism import specs, wait_results
@@ -93,9 +94,9 @@ def test_runs_on_a_cluster_started_with_the_dask_cli(cli_cluster):
         )
         st = sess.wait_ready(2, timeout_s=60)
         judge = next(a for a, w in st["workers"].items() if w["role"] == "reward")  # join order varies
-        sess.submit([{"id": f"x{i}", "role": "rollout", "payload": {"target_len": 6}} for i in range(8)])
+        sess.submit([WorkRequest(f"x{i}", "rollout", {"target_len": 6}) for i in range(8)])
         got = wait_results(sess, {f"x{i}" for i in range(8)}, timeout_s=60)
-        assert all(r["generated"] == [token(i, j) for j in range(6)] for i, r in got.items())
+        assert all(r.generated == [token(i, j) for j in range(6)] for i, r in got.items())
         sess.shift(judge, "rollout")  # a real role shift on the external cluster
         sess.wait_ready(2, roles={"0": "rollout", "1": "rollout"}, timeout_s=30)
 

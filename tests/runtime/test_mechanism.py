@@ -11,6 +11,7 @@ import pytest
 
 from pivotrl.runtime.cluster import open_cluster
 from pivotrl.runtime.control import ManualControl
+from pivotrl.runtime.messages import ItemResult, WorkRequest
 from pivotrl.runtime.session import RuntimeSession
 from tests.runtime.fakes import token
 
@@ -27,17 +28,17 @@ def specs(step_s: float = 0.01) -> dict[str, dict]:
     }
 
 
-def gen_items(prefix: str, n: int, length: int, role: str = "rollout") -> list[dict]:
-    return [{"id": f"{prefix}{i}", "role": role, "payload": {"target_len": length}} for i in range(n)]
+def gen_items(prefix: str, n: int, length: int, role: str = "rollout") -> list[WorkRequest]:
+    return [WorkRequest(f"{prefix}{i}", role, {"target_len": length}) for i in range(n)]
 
 
-def wait_results(sess: RuntimeSession, want: set[str], timeout_s: float = 30.0) -> dict[str, dict]:
-    got: dict[str, dict] = {}
+def wait_results(sess: RuntimeSession, want: set[str], timeout_s: float = 30.0) -> dict[str, ItemResult]:
+    got: dict[str, ItemResult] = {}
     deadline = time.monotonic() + timeout_s
     while not want <= set(got):
-        for r in sess.collect()["results"]:
-            assert r["id"] not in got, f"{r['id']} finished twice"
-            got[r["id"]] = r
+        for r in sess.collect().results:
+            assert r.id not in got, f"{r.id} finished twice"
+            got[r.id] = r
         assert time.monotonic() < deadline, f"missing {sorted(want - set(got))[:5]}"
         time.sleep(0.05)
     return got
@@ -67,10 +68,10 @@ def test_shift_between_every_pair_of_roles(cluster):
         st = sess.wait_ready(2, roles={min(names): role}, timeout_s=60)
         if role != "train":  # the shifted device does real work in its new role
             ids = {f"p{k}-{i}" for i in range(6)}
-            sess.submit([{"id": i, "role": role, "payload": {"target_len": 5}} for i in sorted(ids)])
+            sess.submit([WorkRequest(i, role, {"target_len": 5}) for i in sorted(ids)])
             res = wait_results(sess, ids)
-            bad = {i: r for i, r in res.items() if r["generated"] != [token(i, j) for j in range(5)]}
-            assert not bad, [(i, r["generated"], [token(i, j) for j in range(5)]) for i, r in bad.items()]
+            bad = {i: r for i, r in res.items() if r.generated != [token(i, j) for j in range(5)]}
+            assert not bad, [(i, r.generated, [token(i, j) for j in range(5)]) for i, r in bad.items()]
     events = [e for e in sess.metrics()["events"] if e["kind"] == "shift_done" and e["worker"] == dev]
     pairs = [(e["src"], e["role"]) for e in events[1:]]  # the first is the join
     assert pairs == list(zip([start, *path[:-1]], path))
@@ -99,9 +100,9 @@ def test_abort_and_resume_across_workers(cluster):
     owner = where["worker"]
     sess.shift(owner, "reward")  # shift-down: abort → requeue with its tokens → resume on the other worker
     res = wait_results(sess, {"long0"}, timeout_s=40)["long0"]
-    assert res["worker"] != owner
-    assert res["generated"] == [token("long0", j) for j in range(300)]
-    assert len(res["logprobs"]) == 300
+    assert res.worker != owner
+    assert res.generated == [token("long0", j) for j in range(300)]
+    assert len(res.logprobs) == 300
     ev = sess.metrics()["events"]
     assert any(e["kind"] == "shift_done" and e["worker"] == owner and e["role"] == "reward" for e in ev)
 
@@ -129,9 +130,7 @@ def test_worker_lost_mid_iteration_trains_every_item_once(cluster):
             own.client, control=ManualControl(["train", "train"]), role_specs=specs(step_s=0.05)
         )
         st = sess.wait_ready(2)
-        items = [
-            {"id": f"t{i}", "role": "train", "iteration": 0, "payload": {"x": i}} for i in range(N_TRAIN)
-        ]
+        items = [WorkRequest(f"t{i}", "train", {"x": i}, iteration=0) for i in range(N_TRAIN)]
         sess.submit(items)
         time.sleep(0.3)  # both replicas have accumulated part of the iteration in local sums
         victim = next(a for a, w in st["workers"].items() if w["name"] == "0")
@@ -144,13 +143,15 @@ def test_worker_lost_mid_iteration_trains_every_item_once(cluster):
         seen: list[str] = []
         total = 0.0
         while len(seen) < N_TRAIN:
-            for r in sess.collect()["results"]:
-                assert r["kind"] == "grad" and r["worker"] != victim
-                seen.extend(r["items"])
-                total += r["stats"]["sum"]
+            out = sess.collect()
+            assert not out.results
+            for r in out.grads:
+                assert r.worker != victim
+                seen.extend(r.items)
+                total += r.stats.loss_sum
             assert time.monotonic() < deadline + 30, len(seen)
             time.sleep(0.05)
-        assert sorted(seen) == sorted(i["id"] for i in items)  # every item exactly once
+        assert sorted(seen) == sorted(i.id for i in items)  # every item exactly once
         assert total == sum(range(N_TRAIN))
         lost = [e for e in sess.metrics()["events"] if e["kind"] == "worker_lost"]
         assert len(lost) == 1 and lost[0]["requeued"] > 0  # it held unflushed work when it died
@@ -174,11 +175,11 @@ def test_core_controller_drives_a_stream_with_shifts(cluster):
     sess = RuntimeSession.install(cluster.client, control=control, role_specs=specs(step_s=0.01), tick_s=0.1)
     sess.submit(gen_items("r", 24, 40, role="rollout"))
     got = wait_results(sess, {f"r{i}" for i in range(24)}, timeout_s=60)
-    assert all(r["generated"] == [token(i, j) for j in range(40)] for i, r in got.items())
+    assert all(r.generated == [token(i, j) for j in range(40)] for i, r in got.items())
     # now only reward work: the planner must move devices to reward
     sess.submit(gen_items("j", 24, 60, role="reward"))
     got = wait_results(sess, {f"j{i}" for i in range(24)}, timeout_s=60)
-    assert all(r["generated"] == [token(i, j) for j in range(60)] for i, r in got.items())
+    assert all(r.generated == [token(i, j) for j in range(60)] for i, r in got.items())
     ev = sess.metrics()["events"]
     shifts = [e for e in ev if e["kind"] == "shift_done"]
     assert any(e["role"] == "reward" for e in shifts), shifts
