@@ -160,7 +160,7 @@ class IterationMeter:
         for ph in PHASES:
             vals = [e["timings"].get(ph, 0.0) for e in self.shifts]
             row[f"shift_{ph}_s"] = sum(vals) / len(vals) if vals else math.nan
-        for key in ("loss", "grad_norm", "skipped", "replica_sums", "clip_frac"):
+        for key in ("loss", "grad_norm", "skipped", "replica_sums", "clip_frac", "steps"):
             if key in train_stats:
                 row[f"train_{key}"] = float(train_stats[key])
         for stage, t in res.stage_seconds.items():
