@@ -7,8 +7,9 @@
 2. Judge agreement: the judge (greedy) on 500 held-out (prompt, response) pairs — half correct reference
    answers, half corrupted references (swap/drop/insert/change/reverse/truncate) — against the verifier.
    Also reported, not gated: agreement on the bootstrap policy's own samples.
-3. The single-process loop for each seed, rewarded by the GenRM only, within a time budget; held-out greedy
-   accuracy (verifier) before and after. The curve is saved as PNG and JSON.
+3. For each seed, the recipe `make demo` ships: `run_pipeline` (default stages, the config's scheduler mode,
+   a local Dask cluster), rewarded by the GenRM only, within a time budget; held-out greedy accuracy
+   (verifier) before, every ``--eval-every`` iterations and after. The curve is saved as PNG and JSON.
 
 Prints ``judge_agreement`` and ``accuracy_gain_points`` last.
 """
@@ -31,10 +32,57 @@ from pivotrl.config import PipelineConfig, add_override_argument, load_config
 from pivotrl.engines.bootstrap import corrupt_answer, ensure_bootstrap
 from pivotrl.engines.checkpoints import build_tokenizer
 from pivotrl.engines.genrm import GenRMJudge, JudgeTemplate
-from pivotrl.loop import engine_generate_fn, load_policy, make_engine, rollout_stage, run_loop
+from pivotrl.grpo import response_budget, seq_seed
 from pivotrl.tasks import get_task
 
 AGREEMENT_SEED = 424_242  # held out: neither the bootstrap data nor the RL prompts use it
+
+
+def make_engine(model_dir: Path, engine_cfg: Any) -> Any:
+    from pivotrl.engines.checkpoints import from_pretrained
+    from pivotrl.engines.generation import GenerationEngine
+
+    model = from_pretrained(model_dir)
+    kv, batch = engine_cfg.kv_budget_tokens, engine_cfg.max_batch
+    return GenerationEngine(model, kv_budget_tokens=kv, max_batch=batch)
+
+
+def generate(engine: Any, tok: Any, prompts: list[str], sampling: Any, seeds: list[int], budgets=None):
+    """(ids, text, finish reason) per prompt, in order; each sequence with its own sampling seed."""
+    from pivotrl.engines.generation import GenRequest, SamplingParams
+
+    reqs = [
+        GenRequest(
+            seq_id=f"q{i}",
+            prompt_ids=tok.encode(p),
+            sampling=SamplingParams(
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                max_new_tokens=budgets[i] if budgets else sampling.max_new_tokens,
+                stop_ids=(tok.eos_token_id,),
+                seed=seeds[i],
+            ),
+        )
+        for i, p in enumerate(prompts)
+    ]
+    by_id = {r.seq_id: r for r in engine.generate(reqs)}
+    out = []
+    for r in reqs:
+        done = by_id[r.seq_id]
+        ids = [i for i in done.generated_ids if i != tok.eos_token_id]
+        out.append((list(done.generated_ids), tok.decode(ids, skip_special_tokens=True), done.finish_reason))
+    return out
+
+
+def judge_fn(engine: Any, tok: Any, sampling: Any, tag: str):
+    """A `GenRMJudge` generate function over an engine."""
+
+    def fn(prompts):
+        seeds = [seq_seed(tag, i) for i in range(len(prompts))]
+        done = generate(engine, tok, list(prompts), sampling, seeds)
+        return [(text, len(ids), finish) for ids, text, finish in done]
+
+    return fn
 
 
 def judge_agreement(cfg: PipelineConfig, judge_dir: Path, n: int = 500) -> dict[str, Any]:
@@ -45,9 +93,9 @@ def judge_agreement(cfg: PipelineConfig, judge_dir: Path, n: int = 500) -> dict[
     rng = random.Random(AGREEMENT_SEED)
     responses = [p.answer if i % 2 == 0 else corrupt_answer(p.answer, rng) for i, p in enumerate(problems)]
     truth = [task.verify(p, r) for p, r in zip(problems, responses, strict=True)]
-    engine = make_engine(load_policy(judge_dir), cfg.reward.engine)
+    engine = make_engine(judge_dir, cfg.reward.engine)
     judge = GenRMJudge(
-        engine_generate_fn(engine, tok, cfg.reward.sampling, run_seed=0),
+        judge_fn(engine, tok, cfg.reward.sampling, "agreement"),
         JudgeTemplate(),
         default_reward=cfg.reward.default_reward,
     )
@@ -76,17 +124,16 @@ def policy_sample_agreement(cfg: PipelineConfig, policy_dir: Path, judge_dir: Pa
     """Agreement on what the judge actually sees in RL: the bootstrap policy's temperature-1 samples."""
     task = get_task(cfg.task.name, cfg.task.options)
     tok = build_tokenizer()
-    engine = make_engine(load_policy(policy_dir), cfg.rollout.engine)
-    problems = task.sample(prompts, seed=AGREEMENT_SEED + 1)
-    rollouts, _ = rollout_stage(
-        engine, tok, problems, cfg.task.group_size, cfg.rollout.sampling, run_seed=AGREEMENT_SEED, iteration=0
-    )
-    judge_engine = make_engine(load_policy(judge_dir), cfg.reward.engine)
-    judge = GenRMJudge(
-        engine_generate_fn(judge_engine, tok, cfg.reward.sampling, run_seed=1), JudgeTemplate()
-    )
-    judgments = judge.judge([r.problem for r in rollouts], [r.text for r in rollouts])
-    truth = [task.verify(r.problem, r.text) for r in rollouts]
+    engine = make_engine(policy_dir, cfg.rollout.engine)
+    problems = [p for p in task.sample(prompts, seed=AGREEMENT_SEED + 1) for _ in range(cfg.task.group_size)]
+    s, r = cfg.rollout.sampling, cfg.reward
+    budgets = [response_budget(p, s.max_new_tokens, r.budget_per_item, r.budget_slack) for p in problems]
+    seeds = [seq_seed("rollout", AGREEMENT_SEED, p.uid, k) for k, p in enumerate(problems)]
+    texts = [t for _, t, _ in generate(engine, tok, [p.prompt for p in problems], s, seeds, budgets)]
+    judge_engine = make_engine(judge_dir, cfg.reward.engine)
+    judge = GenRMJudge(judge_fn(judge_engine, tok, cfg.reward.sampling, "policy-samples"), JudgeTemplate())
+    judgments = judge.judge(problems, texts)
+    truth = [task.verify(p, t) for p, t in zip(problems, texts, strict=True)]
     agree = [(j.reward >= 0.5) == t for j, t in zip(judgments, truth, strict=True)]
     return {
         "samples": len(agree),
@@ -135,40 +182,63 @@ def plot(curves: dict[int, Any], path: Path, baseline: float) -> None:
 
 
 def _run_seed(job: tuple) -> dict[str, Any]:
-    """One RL run (own process when seeds run side by side)."""
+    """One RL run of the shipped recipe (`run_pipeline`, as `make demo`), own process when seeds run side
+    by side. Accuracies in the JSON are fractions; `history` holds the runtime's metric rows plus the
+    plotted keys (`mean_reward`, `verifier_reward`, `elapsed_s`)."""
+    from pivotrl.runtime.driver import run_pipeline
+
     cfg_data, policy_dir, judge_dir, seed, budget, iterations, eval_every, threads = job
     torch.set_num_threads(threads)
     run_cfg = PipelineConfig.model_validate(cfg_data)
     run_cfg.run.seed = seed
+    run_cfg.run.iterations = iterations
+    run_cfg.run.time_budget_s = budget
+    run_cfg.models.policy.path, run_cfg.models.genrm.path = policy_dir, judge_dir
+    run_cfg.cluster.dashboard_address = None  # seeds may run side by side
 
-    def show(h):
-        acc = "" if h.heldout_accuracy is None else f" acc={h.heldout_accuracy:.3f}"
+    def show(res, row):
+        acc = row.get("heldout_accuracy")
+        acc = "" if acc is None else f" acc={acc / 100:.3f}"
         print(
-            f"[seed {seed}] it={h.iteration:3d} t={h.elapsed_s:5.0f}s reward={h.mean_reward:.2f} "
-            f"true={h.verifier_reward:.2f} agree={h.judge_agreement:.2f}{acc} "
-            f"len={h.response_len_mean:.1f} crit={h.critique_len_mean:.1f} kl_ref={h.kl_ref:.4f} "
-            f"tok/s roll={h.rollout_tokens_per_s:.0f} rew={h.reward_tokens_per_s:.0f} "
-            f"train={h.train_tokens_per_s:.0f}",
+            f"[seed {seed}] it={row['iteration']:3d} t={row['elapsed_s']:5.0f}s "
+            f"reward={row['reward_mean']:.2f} true={row['accuracy'] / 100:.2f}{acc} "
+            f"len={row['response_tokens_mean']:.1f} crit={row['judge_tokens_mean']:.1f} "
+            f"{row['tokens_per_s']:.0f} tok/s shifts={row['shifts']}",
             flush=True,
         )
 
     t0, cpu0 = time.perf_counter(), time.process_time()
-    res = run_loop(
+    res = run_pipeline(
         run_cfg,
-        Path(policy_dir),
-        Path(judge_dir),
-        iterations=iterations,
-        time_budget_s=budget,
+        log=lambda m: print(f"[seed {seed}] {m}", flush=True),
+        progress=False,
+        save_final=False,
         eval_every=eval_every,
         on_iteration=show,
     )
-    out = res.to_json()
+    before = res.eval["accuracy_before"] / 100
+    after = res.eval.get("accuracy_after", res.eval["accuracy_before"]) / 100
+    history = [
+        {**row, "mean_reward": row["reward_mean"], "verifier_reward": row["accuracy"] / 100}
+        for row in res.iterations
+    ]
+    out = {
+        "initial_accuracy": before,
+        "final_accuracy": after,
+        "accuracy_gain_points": 100.0 * (after - before),
+        "curve": [{**c, "accuracy": c["accuracy"] / 100} for c in res.curve],
+        "history": history,
+        "run_dir": str(res.run_dir),
+        "devices": res.devices,
+        "mode": run_cfg.scheduler.mode,
+    }
     out["wall_s"] = time.perf_counter() - t0
     out["cpu_s"] = time.process_time() - cpu0
-    out["iterations"] = len(res.history)
+    out["iterations"] = len(res.iterations)
+    rl_s = history[-1]["elapsed_s"] if history else 0.0
     print(
-        f"[seed {seed}] accuracy {res.initial_accuracy:.3f} -> {res.final_accuracy:.3f} "
-        f"({res.gain_points:+.1f} points) in {res.history[-1].elapsed_s:.0f}s of RL",
+        f"[seed {seed}] accuracy {before:.3f} -> {after:.3f} ({out['accuracy_gain_points']:+.1f} points) "
+        f"in {rl_s:.0f}s of RL",
         flush=True,
     )
     return out

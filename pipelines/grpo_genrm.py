@@ -5,8 +5,9 @@
 
 Stages run where they say: `RolloutStage` on rollout devices (the policy writes), `GenRMRewardStage` on
 reward devices (the judge writes a critique and a verdict, parsed into a reward), `AdvantageStage` in the
-driver once a whole group is judged, `TrainStage` on train devices (elastic gradient sums, one optimizer step
-per iteration by the driver). The runtime moves devices between the roles while the iteration streams.
+driver once a whole group is judged, `TrainStage` on train devices (elastic gradient sums; the driver takes
+`train.minibatches` optimizer steps per iteration, one per slice of the samples). The runtime moves devices
+between the roles while the iteration streams.
 To add a stage, subclass `pivotrl.pipeline.Stage` (see `LengthPenalty` below) and put it in the list.
 """
 

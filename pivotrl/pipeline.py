@@ -7,9 +7,16 @@ driver (`role=None`: cheap per-sample or per-group Python, e.g. a rule-based ver
 Stages stream: a sample enters the next stage as soon as it leaves the previous one (a per-group stage
 waits for its whole group), so with disaggregated or shiftable deployment reward work overlaps rollout.
 
-The last stage is the train stage: its items become local gradient sums on train replicas; when every
-sample of the iteration is in some sum, the driver (the optimizer owner) reduces the sums, steps once and
-publishes the next policy version to the Global Parameter Storage, which rollout replicas then load.
+The last stage is the train stage: its items become local gradient sums on train replicas. The iteration's
+samples are cut into `train.minibatches` slices (`pivotrl.grpo.minibatch_slices`); when every sample of a
+slice is in some flushed sum, the optimizer owner (`pivotrl.grpo.PolicyUpdater`) reduces the sums, steps
+and publishes the next policy version to the Global Parameter Storage, and only then are the next slice's
+train items submitted (so they are computed at the new version). Rollout replicas load the iteration's
+final version.
+
+A session executes the work: `pivotrl.runtime.session.RuntimeSession` on Dask devices, or
+`pivotrl.local_session.LocalSession` in this process; `run_iterations` is the per-iteration driver both
+`run_pipeline` and `run_loop` call, so the two are one recipe.
 
 A user adds a stage by subclassing `Stage` and inserting it in the list, e.g.::
 
@@ -30,6 +37,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from pivotrl.grpo import minibatch_slices, response_budget, seq_seed, train_problems
+from pivotrl.runtime.messages import Collected, GradResult, ItemResult, WorkRequest
 from pivotrl.tasks.base import Problem
 
 
@@ -77,12 +86,13 @@ class Stage:
     role: str | None = None
     per_group: bool = False
 
-    def request(self, sample: Sample, ctx: StageContext) -> dict[str, Any]:
-        """The work item for the role's devices: {"payload": ..., and cost hints prompt_tokens,
-        max_new_tokens, est_tokens} — plain lists and numbers only."""
+    def request(self, sample: Sample, ctx: StageContext) -> dict[str, Any] | None:
+        """The work for the role's devices, as `WorkRequest` fields: {"payload": ..., and cost hints
+        prompt_tokens, max_new_tokens, est_tokens} — plain lists and numbers only (the pipeline adds the
+        id, role, iteration and group). None: this sample skips the stage."""
         raise NotImplementedError
 
-    def complete(self, sample: Sample, result: dict[str, Any], ctx: StageContext) -> None:
+    def complete(self, sample: Sample, result: ItemResult, ctx: StageContext) -> None:
         raise NotImplementedError
 
     def run(self, samples: list[Sample], ctx: StageContext) -> None:
@@ -110,10 +120,8 @@ class RolloutStage(Stage):
         self.expected_tokens = expected_tokens
 
     def request(self, sample: Sample, ctx: StageContext) -> dict[str, Any]:
-        from pivotrl.loop import response_budget
-
         s = ctx.cfg.rollout.sampling
-        r = ctx.cfg.reward  # per-prompt budget (DAPO-style overlong handling), as in the single-process loop
+        r = ctx.cfg.reward  # per-prompt budget (DAPO-style overlong handling)
         budget = response_budget(sample.problem, s.max_new_tokens, r.budget_per_item, r.budget_slack)
         sampling = sampling_payload(s, sample.seed, ctx.tokenizer.eos_token_id)
         sampling["max_new_tokens"] = budget
@@ -128,17 +136,20 @@ class RolloutStage(Stage):
             "est_tokens": self.expected_tokens or s.max_new_tokens // 2,
         }
 
-    def complete(self, sample: Sample, result: dict[str, Any], ctx: StageContext) -> None:
-        sample.response_ids = list(result["generated"])
-        sample.logprobs = list(result["logprobs"])
-        sample.finish_reason = result.get("finish_reason", "")
+    def complete(self, sample: Sample, result: ItemResult, ctx: StageContext) -> None:
+        sample.response_ids = list(result.generated)
+        sample.logprobs = list(result.logprobs)
+        sample.finish_reason = result.finish_reason
         sample.response_text = ctx.decode(sample.response_ids)
         sample.data["correct"] = bool(ctx.task.verify(sample.problem, sample.response_text))
 
 
 class GenRMRewardStage(Stage):
     """The generative judge writes a critique and a verdict (on reward devices); the verdict is parsed from
-    its text. Unparseable judgments get `cfg.reward.default_reward` and are counted."""
+    its text. Unparseable judgments get `cfg.reward.default_reward` and are counted. With
+    `cfg.reward.truncated_reward` set, a rollout that ran into its budget (finish reason `length`) gets
+    that reward and is never judged (DAPO's overlong filtering: an unfinished answer is never accepted, so
+    running long cannot pay, and no judge call is spent on it)."""
 
     name, role = "reward", "reward"
 
@@ -167,10 +178,10 @@ class GenRMRewardStage(Stage):
             "est_tokens": self.expected_tokens or s.max_new_tokens // 2,
         }
 
-    def complete(self, sample: Sample, result: dict[str, Any], ctx: StageContext) -> None:
+    def complete(self, sample: Sample, result: ItemResult, ctx: StageContext) -> None:
         from pivotrl.engines.genrm import parse_verdict
 
-        text = ctx.decode(list(result["generated"]))
+        text = ctx.decode(list(result.generated))
         value = parse_verdict(text)
         ctx.counters["judged"] = ctx.counters.get("judged", 0) + 1
         if value is None:
@@ -178,7 +189,7 @@ class GenRMRewardStage(Stage):
             value = float(ctx.cfg.reward.default_reward)
         sample.reward = float(value)
         sample.data["judge_text"] = text
-        sample.data["judge_tokens"] = len(result["generated"])
+        sample.data["judge_tokens"] = len(result.generated)
 
 
 class RuleVerifierStage(Stage):
@@ -210,12 +221,14 @@ class AdvantageStage(Stage):
 
 
 class TrainStage(Stage):
-    """Gradients on train replicas (elastic); reduced and applied once per iteration by the driver."""
+    """Gradients on train replicas (elastic); reduced and applied by the optimizer owner once per slice
+    of the iteration (`train.minibatches`). Requested only when its slice is released, so the payload's
+    version is the policy the gradient is taken at."""
 
     name, role = "train", "train"
 
     def request(self, sample: Sample, ctx: StageContext) -> dict[str, Any] | None:
-        if not sample.response_ids:  # nothing to learn from (as in the single-process loop)
+        if not sample.response_ids:  # nothing to learn from
             return None
         n = len(sample.prompt_ids) + len(sample.response_ids)
         return {
@@ -231,7 +244,7 @@ class TrainStage(Stage):
             "est_tokens": n,
         }
 
-    def complete(self, sample: Sample, result: dict[str, Any], ctx: StageContext) -> None:
+    def complete(self, sample: Sample, result: ItemResult, ctx: StageContext) -> None:
         return None
 
 
@@ -243,22 +256,41 @@ def default_stages() -> list[Stage]:
 class IterationResult:
     iteration: int
     samples: list[Sample]
-    grads: list[dict[str, Any]]
+    grads: list[GradResult]
     seconds: float
     stage_seconds: dict[str, float]
+    version: int = 0  # the policy version after the iteration's optimizer steps
+    train_stats: dict[str, Any] = field(default_factory=dict)  # the last step's, plus "steps"
+
+
+class _OneStep:
+    """A bare `apply_grads(grads, iteration) -> version` as an updater: one step per iteration."""
+
+    def __init__(self, fn: Callable[[list[GradResult], int], int]) -> None:
+        self.fn = fn
+        self.last_stats: dict[str, Any] = {}
+
+    def slices(self, n: int) -> list[range]:
+        return minibatch_slices(n, 1)
+
+    def apply(self, grads: list[GradResult], iteration: int) -> int:
+        return self.fn(grads, iteration)
 
 
 class Pipeline:
-    """Runs iterations of `stages` through a `RuntimeSession`. `apply_grads(grads, iteration) -> version`
-    is the optimizer owner's step (reduce, apply, publish); the driver calls it when the iteration's every
-    sample is in exactly one flushed gradient sum."""
+    """Runs iterations of `stages` through a session (`RuntimeSession` or `LocalSession`).
+
+    `updater` is the optimizer owner (`pivotrl.grpo.PolicyUpdater`): `slices(n)` cuts an iteration's
+    samples into optimizer steps, `apply(grads, iteration) -> version` takes one step over the flushed
+    gradient sums that cover a slice exactly once. A plain `apply_grads` callable is one step per
+    iteration."""
 
     def __init__(
         self,
         stages: list[Stage],
         ctx: StageContext,
         session: Any,
-        apply_grads: Callable[[list[dict[str, Any]], int], int],
+        updater: Any,
         poll_s: float = 0.03,
     ) -> None:
         if not stages or stages[-1].role != "train":
@@ -269,16 +301,14 @@ class Pipeline:
         self.stages = stages
         self.ctx = ctx
         self.session = session
-        self.apply_grads = apply_grads
+        self.updater = updater if hasattr(updater, "apply") else _OneStep(updater)
         self.poll_s = poll_s
 
     def make_samples(
         self, iteration: int, problems: list[Problem], group_size: int, run_seed: int
     ) -> list[Sample]:
-        """G samples per prompt, seeded exactly as the single-process loop (pivotrl.loop) seeds them, so a
-        distributed run samples the same tokens."""
-        from pivotrl.loop import seq_seed
-
+        """G samples per prompt, each with its own sampling seed (`seq_seed`): a function of the run seed,
+        iteration, prompt and index, so every executor samples the same tokens."""
         out = []
         seen: dict[str, int] = {}
         for prob in problems:
@@ -305,7 +335,7 @@ class Pipeline:
         return out
 
     def run_iteration(
-        self, iteration: int, samples: list[Sample], on_poll: Callable[[dict[str, Any]], None] | None = None
+        self, iteration: int, samples: list[Sample], on_poll: Callable[[Collected], None] | None = None
     ) -> IterationResult:
         t0 = time.monotonic()
         by_uid = {s.uid: s for s in samples}
@@ -315,43 +345,50 @@ class Pipeline:
             groups.setdefault(s.group, []).append(s)
         waiting_group: dict[int, dict[str, set[str]]] = {}
         stage_last: dict[str, float] = {}
-        grads: list[dict[str, Any]] = []
-        trained: set[str] = set()
-        skipped: set[str] = set()  # samples the train stage does not take (e.g. empty responses)
-        submit_buf: list[dict[str, Any]] = []
-        n_train_submitted = 0
+        grads: list[GradResult] = []
+        submit_buf: list[WorkRequest] = []
         train_idx = len(self.stages) - 1
+        train_stage = self.stages[train_idx]
+        # the optimizer steps of the iteration: slice k's train items go out once slice k-1 is applied
+        slices = self.updater.slices(len(samples))
+        slice_of = {samples[j].uid: k for k, r in enumerate(slices) for j in r}
+        arrived: list[list[Sample]] = [[] for _ in slices]  # samples at the train stage, per slice
+        pending: set[str] = set()  # train item ids of the released slice not yet in a flushed sum
+        slice_grads: list[GradResult] = []
+        trained: set[str] = set()
+        current, released, flush_due = 0, False, False
+        steps: list[dict[str, Any]] = []
+
+        def request(sample: Sample, stage: Stage, req: dict[str, Any]) -> None:
+            submit_buf.append(
+                WorkRequest(
+                    id=f"{sample.uid}/{stage.name}",
+                    role=str(stage.role),
+                    iteration=iteration,
+                    group_id=sample.group,
+                    **req,
+                )
+            )
 
         def enter(sample: Sample, idx: int) -> None:
-            nonlocal n_train_submitted
             while idx < len(self.stages):
                 stage = self.stages[idx]
                 at[sample.uid] = idx
+                if idx == train_idx:
+                    arrived[slice_of[sample.uid]].append(sample)
+                    return
                 if stage.role is not None:
                     req = stage.request(sample, self.ctx)
                     if req is None:  # this sample skips the stage
-                        if idx == train_idx:
-                            skipped.add(sample.uid)
-                            return
                         idx += 1
                         continue
-                    submit_buf.append(
-                        {
-                            "id": f"{sample.uid}/{stage.name}",
-                            "role": stage.role,
-                            "iteration": iteration,
-                            "group_id": sample.group,
-                            **req,
-                        }
-                    )
-                    if idx == train_idx:
-                        n_train_submitted += 1
+                    request(sample, stage, req)
                     return
                 if stage.per_group:
-                    pending = waiting_group.setdefault(idx, {}).setdefault(sample.group, set())
-                    pending.add(sample.uid)
+                    waiting = waiting_group.setdefault(idx, {}).setdefault(sample.group, set())
+                    waiting.add(sample.uid)
                     members = groups[sample.group]
-                    if len(pending) < len(members):
+                    if len(waiting) < len(members):
                         return
                     stage.run(members, self.ctx)
                     stage_last[stage.name] = time.monotonic() - t0
@@ -364,28 +401,55 @@ class Pipeline:
                 stage_last[stage.name] = time.monotonic() - t0
                 idx += 1
 
+        def advance() -> None:
+            """Release the current slice once all its samples are at the train stage; step once all its
+            train items are in flushed sums; repeat (a slice with nothing to learn steps at once)."""
+            nonlocal current, released, flush_due, slice_grads
+            while current < len(slices):
+                if not released:
+                    if len(arrived[current]) < len(slices[current]):
+                        return
+                    for sample in arrived[current]:  # requested now: at the version they train on
+                        req = train_stage.request(sample, self.ctx)
+                        if req is not None:
+                            request(sample, train_stage, req)
+                            pending.add(f"{sample.uid}/{train_stage.name}")
+                    released, flush_due = True, bool(pending)
+                if pending:
+                    return
+                version = self.updater.apply(slice_grads, iteration)
+                steps.append(dict(getattr(self.updater, "last_stats", {}) or {}))
+                stage_last["train"] = time.monotonic() - t0
+                if version != self.ctx.policy_version:
+                    self.ctx.policy_version = version
+                    self.session.set_version("train", version)  # a device taking up train loads it
+                current, released, slice_grads = current + 1, False, []
+
         for s in samples:
             enter(s, 0)
-        flushed = False
-        while len(trained) + len(skipped) < len(samples):
+        advance()
+        while current < len(slices):
             if submit_buf:
                 self.session.submit(submit_buf)
                 submit_buf = []
-            if n_train_submitted + len(skipped) == len(samples) and not flushed:
+            if flush_due:  # every train item of the released slice is submitted: sums may be handed in
                 self.session.flush(iteration)
-                flushed = True
+                flush_due = False
             out = self.session.collect()
-            for res in out["results"]:
-                if res.get("kind") == "grad":
-                    grads.append(res)
-                    uids = [i.rsplit("/", 1)[0] for i in res["items"]]
-                    dup = trained.intersection(uids)
-                    if dup:
-                        raise RuntimeError(f"samples trained twice: {sorted(dup)[:5]}")
-                    trained.update(uids)
-                    stage_last["train"] = time.monotonic() - t0
-                    continue
-                uid, _, stage_name = res["id"].rpartition("/")
+            for g in out.grads:
+                uids = set(g.items)
+                if uids - pending:
+                    dup = uids & trained
+                    raise RuntimeError(
+                        f"gradient sum over items not awaited: {sorted(uids - pending)[:5]}"
+                        + (f" (trained twice: {sorted(dup)[:5]})" if dup else "")
+                    )
+                pending.difference_update(uids)
+                trained.update(uids)
+                grads.append(g)
+                slice_grads.append(g)
+            for res in out.results:
+                uid, _, stage_name = res.id.rpartition("/")
                 sample = by_uid[uid]
                 idx = at[uid]
                 stage = self.stages[idx]
@@ -394,8 +458,78 @@ class Pipeline:
                 stage.complete(sample, res, self.ctx)
                 stage_last[stage.name] = time.monotonic() - t0
                 enter(sample, idx + 1)
+            advance()
             if on_poll is not None:
                 on_poll(out)
-            if len(trained) + len(skipped) < len(samples) and not out["results"]:
+            if current < len(slices) and not (out.results or out.grads or submit_buf):
                 time.sleep(self.poll_s)
-        return IterationResult(iteration, samples, grads, time.monotonic() - t0, stage_last)
+        train_stats = {**(steps[-1] if steps else {}), "steps": float(len(steps))}
+        return IterationResult(
+            iteration,
+            samples,
+            grads,
+            time.monotonic() - t0,
+            stage_last,
+            version=self.ctx.policy_version,
+            train_stats=train_stats,
+        )
+
+
+def run_iterations(
+    pipeline: Pipeline,
+    *,
+    iterations: int,
+    time_budget_s: float | None = None,
+    log: Callable[[str], None] = print,
+    progress: bool = False,
+    on_iteration: Callable[[IterationResult, dict[str, Any]], None] | None = None,
+    evaluate_every: int | None = None,
+    evaluate_fn: Callable[[int], float] | None = None,
+) -> list[dict[str, Any]]:
+    """The per-iteration driver every executor runs: draw the prompts, make the samples, announce the
+    iteration's plan, run it (its optimizer steps included), move the rollout role to the new version,
+    meter it (a progress bar, or one log line per iteration). Returns the meter's rows.
+
+    `evaluate_fn(iteration)` runs after every `evaluate_every`-th iteration and after the last one (its
+    result lands in the row as `heldout_accuracy`); the time budget counts iterations and evaluations."""
+    from pivotrl.runtime.metrics import IterationMeter
+
+    cfg, session, ctx = pipeline.ctx.cfg, pipeline.session, pipeline.ctx
+    meter = IterationMeter(session, log)
+    rows: list[dict[str, Any]] = []
+    bar = _progress_bar(iterations) if progress else None
+    t_start = time.monotonic()
+    for it in range(iterations):
+        if time_budget_s is not None and it > 0 and time.monotonic() - t_start >= time_budget_s:
+            log(f"run.time_budget_s={time_budget_s:g} reached after {it} iterations; finishing the run")
+            break
+        problems = train_problems(ctx.task, cfg.task.prompts_per_iteration, cfg.run.seed, it)
+        samples = pipeline.make_samples(it, problems, cfg.task.group_size, cfg.run.seed)
+        session.begin_iteration(meter.iteration_plan(it, samples, cfg))
+        meter.start(it)
+        res = pipeline.run_iteration(it, samples, on_poll=meter.poll)
+        session.set_version("rollout", res.version)
+        row = meter.finish(res, res.train_stats, res.version)
+        row["elapsed_s"] = time.monotonic() - t_start
+        last = it == iterations - 1 or (
+            time_budget_s is not None and time.monotonic() - t_start >= time_budget_s
+        )
+        if evaluate_fn is not None and (last or (evaluate_every and (it + 1) % evaluate_every == 0)):
+            row["heldout_accuracy"] = evaluate_fn(it)
+        rows.append(row)
+        if bar is not None:
+            bar.set_postfix_str(meter.postfix(row))
+            bar.update(1)
+        else:
+            log(meter.line(row))
+        if on_iteration is not None:
+            on_iteration(res, row)
+    if bar is not None:
+        bar.close()
+    return rows
+
+
+def _progress_bar(total: int) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="iterations", unit="it", dynamic_ncols=True)

@@ -1,15 +1,17 @@
-"""The single-process loop: stages wired with the real generation engine, rewards from the GenRM only."""
+"""The single-process run: the runtime's pipeline over a `LocalSession`, with real engines, the GenRM as the
+only reward, a real parameter store, and `train.minibatches` optimizer steps per iteration."""
 
 from __future__ import annotations
 
 import pytest
 
-from pivotrl import loop as L
+from pivotrl import grpo
 from pivotrl.config import PipelineConfig, load_config
 from pivotrl.engines.bootstrap import ensure_bootstrap
 from pivotrl.engines.checkpoints import build_tokenizer
-from pivotrl.engines.genrm import GenRMJudge
-from pivotrl.engines.trainer import GRPOTrainer
+from pivotrl.gps import ParameterStore
+from pivotrl.loop import run_loop
+from pivotrl.pipeline import Pipeline, StageContext, default_stages
 from pivotrl.tasks import get_task
 
 TINY = {
@@ -48,137 +50,94 @@ def setup(tmp_path_factory):
     return cfg, boot
 
 
-def test_stages_group_samples_and_differ_within_a_group(setup):
-    cfg, boot = setup
-    tok = build_tokenizer()
-    task = get_task(cfg.task.name, cfg.task.options)
-    engine = L.make_engine(L.load_policy(boot.policy_dir), cfg.rollout.engine)
-    problems = L.train_problems(task, 3, run_seed=0, iteration=1)
-    rollouts, timing = L.rollout_stage(
-        engine, tok, problems, 4, cfg.rollout.sampling, run_seed=0, iteration=1
-    )
-    assert len(rollouts) == 12 and timing.tokens == sum(len(r.response_ids) for r in rollouts)
-    assert all(len(r.logprobs) == len(r.response_ids) for r in rollouts)
-    groups = {}
-    for r in rollouts:
-        groups.setdefault(r.group, []).append(tuple(r.response_ids))
-    assert len(groups) == 3
-    assert any(len(set(v)) > 1 for v in groups.values())  # each sample has its own sampling seed
-    again, _ = L.rollout_stage(engine, tok, problems, 4, cfg.rollout.sampling, run_seed=0, iteration=1)
-    assert [r.response_ids for r in again] == [r.response_ids for r in rollouts]  # reproducible
-
-
-def test_reward_comes_from_the_judge_text_only(setup):
-    """A judge that always says yes gives reward 1 to wrong answers: the verifier is never consulted."""
-    cfg, boot = setup
-    tok = build_tokenizer()
-    task = get_task(cfg.task.name, cfg.task.options)
-    engine = L.make_engine(L.load_policy(boot.policy_dir), cfg.rollout.engine)
-    rollouts, _ = L.rollout_stage(
-        engine, tok, L.train_problems(task, 2, 0, 1), 3, cfg.rollout.sampling, run_seed=0, iteration=1
-    )
-    for r in rollouts:
-        r.text = "certainly wrong"
-    yes = GenRMJudge(lambda prompts: [("ref x. verdict: yes", 5, "stop")] * len(prompts))
-    judgments, timing = L.reward_stage(yes, rollouts)
-    assert all(j.parsed for j in judgments)
-    assert [r.reward for r in rollouts] == [1.0] * 6 and timing.tokens == 30
-    junk = GenRMJudge(lambda prompts: [("@@@", 3, "length")] * len(prompts), default_reward=-0.5)
-    L.reward_stage(junk, rollouts)
-    assert [r.reward for r in rollouts] == [-0.5] * 6 and junk.counters.unparsed == 6
-
-
-def test_train_stage_uses_group_advantages(setup):
-    cfg, boot = setup
-    tok = build_tokenizer()
-    task = get_task(cfg.task.name, cfg.task.options)
-    policy = L.load_policy(boot.policy_dir)
-    engine = L.make_engine(L.load_policy(boot.policy_dir), cfg.rollout.engine)
-    rollouts, _ = L.rollout_stage(
-        engine, tok, L.train_problems(task, 2, 0, 1), 4, cfg.rollout.sampling, run_seed=0, iteration=1
-    )
-    for i, r in enumerate(rollouts):
-        r.reward = float(i % 2)
-    samples = L.train_samples(rollouts)
-    assert sum(s.advantage for s in samples) == pytest.approx(0.0, abs=1e-6)
-    trainer = GRPOTrainer(policy, pad_id=tok.pad_token_id, lr=1e-2, micro_batch=3)
-    stats, timing = L.train_stage(trainer, rollouts)
-    assert not stats.skipped and stats.version == 1 and timing.tokens == stats.tokens > 0
-    # on-policy: the engine's log-probs match the trainer's forward, so the first step's KL is ~0
-    assert stats.kl_old < 1e-4
-
-
-def test_run_loop_logs_every_stage_and_publishes_versions(setup, tmp_path):
-    cfg, boot = setup
+def one_iteration(cfg, boot) -> list:
     seen = []
-    res = L.run_loop(
+    run_loop(cfg, boot.policy_dir, boot.judge_dir, iterations=1, on_iteration=lambda it, row: seen.append(it))
+    return seen[0].samples
+
+
+def test_run_loop_logs_every_stage_and_publishes_a_version_per_minibatch(setup, tmp_path):
+    cfg, boot = setup
+    cfg = cfg.model_copy(deep=True)
+    cfg.train.minibatches = 2
+    seen = []
+    res = run_loop(
         cfg,
         boot.policy_dir,
         boot.judge_dir,
         iterations=2,
-        on_iteration=seen.append,
+        on_iteration=lambda it, row: seen.append((it, row)),
         save_dir=tmp_path / "out",
     )
-    assert [h.iteration for h in res.history] == [1, 2] and seen == res.history
+    assert [h["iteration"] for h in res.history] == [0, 1] and [r for _, r in seen] == res.history
     h = res.history[-1]
-    assert h.version == 2 and h.heldout_accuracy is not None
-    assert h.rollout_tokens_per_s > 0 and h.reward_tokens_per_s > 0 and h.train_tokens_per_s > 0
-    assert h.critique_len_max > 0 and h.response_len_max > 0
-    assert res.curve[0][0] == 0 and res.curve[-1][0] == 2
+    assert h["version"] == 4 and h["heldout_accuracy"] is not None  # 2 steps per iteration
+    assert h["tokens_rollout"] > 0 and h["tokens_reward"] > 0 and h["tokens_train"] > 0
+    assert h["judge_tokens_mean"] > 0 and h["response_tokens_mean"] > 0
+    assert res.curve[0][0] == 0 and res.curve[-1][0] == 2 and 0 <= res.final_accuracy <= 1
+    samples = seen[0][0].samples
+    assert len(samples) == 16 and all(len(s.logprobs) == len(s.response_ids) for s in samples)
+    groups = {}
+    for s in samples:
+        groups.setdefault(s.group, []).append(tuple(s.response_ids))
+    assert len(groups) == 4 and any(len(set(v)) > 1 for v in groups.values())  # own seed per sample
+    assert all("judge_text" in s.data for s in samples)  # every (untruncated) rollout was judged
     assert (tmp_path / "out" / "policy" / "model.safetensors").is_file()
     assert (tmp_path / "out" / "loop.json").is_file()
-    assert L.load_policy(tmp_path / "out" / "policy").config.hidden_size == TINY["hidden_size"]
-    assert 0 <= h.unparsed <= cfg.task.prompts_per_iteration * cfg.task.group_size
+
+
+def test_truncated_rollouts_get_the_minimum_without_a_judge_call(setup):
+    """One rule everywhere: a rollout cut off at its per-prompt budget gets `truncated_reward` and is never
+    sent to the judge."""
+    cfg, boot = setup
+    cfg = cfg.model_copy(deep=True)
+    cfg.reward.budget_per_item, cfg.reward.budget_slack, cfg.reward.truncated_reward = 1, 0, -1.0
+    cfg.task.eval_prompts = 0
+    samples = one_iteration(cfg, boot)
+    for s in samples:
+        assert len(s.response_ids) <= grpo.prompt_items(s.problem.prompt)
+    cut = [s for s in samples if s.finish_reason == "length"]
+    assert cut and all(s.reward == -1.0 and "judge_text" not in s.data for s in cut)
+    assert all("judge_text" in s.data for s in samples if s.finish_reason != "length")
+
+
+def test_run_is_reproducible(setup):
+    cfg, boot = setup
+    cfg = cfg.model_copy(deep=True)
+    cfg.task.eval_prompts = 0
+    runs = [[(s.response_ids, s.reward) for s in one_iteration(cfg, boot)] for _ in range(2)]
+    assert runs[0] == runs[1]
+
+
+def test_pipeline_requires_the_updater_for_local_and_runtime_alike(setup, tmp_path):
+    """`PolicyUpdater` publishes version 0 and slices by `train.minibatches`; the pipeline asks it."""
+    cfg, boot = setup
+    cfg = cfg.model_copy(deep=True)
+    cfg.train.minibatches = 3
+    with ParameterStore(tmp_path / "gps", device_tier_bytes=0) as gps:
+        upd = grpo.PolicyUpdater.load(cfg, boot.policy_dir, gps)
+        assert upd.publish() == 0 and gps.latest(cfg.models.policy.name) == 0
+        assert upd.slices(16) == grpo.minibatch_slices(16, 3) == [range(0, 5), range(5, 11), range(11, 16)]
+        assert upd.apply([], 0) == 0 and upd.last_stats == {"skipped": 1.0}
+        ctx = StageContext(build_tokenizer(), get_task(cfg.task.name, cfg.task.options), cfg)
+        assert Pipeline(default_stages(), ctx, object(), upd).updater is upd
 
 
 def test_response_budget_is_per_prompt_and_capped():
     task = get_task("sort", {"max_size": 10})
     p = task.make([3, 9, 1, 3], uid="x")
-    assert L.prompt_items(p.prompt) == 4
-    assert L.response_budget(p, cap=24) == 24  # off by default: the fixed cap
-    assert L.response_budget(p, cap=24, per_item=2, slack=2) == 10
-    assert L.response_budget(p, cap=8, per_item=2, slack=2) == 8
-    assert len(p.answer) + 1 <= L.response_budget(p, cap=24, per_item=2, slack=2)  # a right answer fits
+    assert grpo.prompt_items(p.prompt) == 4
+    assert grpo.response_budget(p, cap=24) == 24  # off by default: the fixed cap
+    assert grpo.response_budget(p, cap=24, per_item=2, slack=2) == 10
+    assert grpo.response_budget(p, cap=8, per_item=2, slack=2) == 8
+    assert len(p.answer) + 1 <= grpo.response_budget(p, cap=24, per_item=2, slack=2)  # a right answer fits
 
 
-def test_budgeted_rollouts_stop_at_their_budget_and_truncation_earns_the_minimum(setup):
-    cfg, boot = setup
-    tok = build_tokenizer()
-    task = get_task(cfg.task.name, cfg.task.options)
-    engine = L.make_engine(L.load_policy(boot.policy_dir), cfg.rollout.engine)
-    problems = L.train_problems(task, 3, 0, 1)
-    rollouts, _ = L.rollout_stage(
-        engine,
-        tok,
-        problems,
-        3,
-        cfg.rollout.sampling,
-        run_seed=0,
-        iteration=1,
-        budget_per_item=1,
-        budget_slack=0,
-    )
-    for r in rollouts:
-        assert len(r.response_ids) <= L.prompt_items(r.problem.prompt)
-    rollouts[0].finish_reason, rollouts[1].finish_reason = "length", "stop"
-    yes = GenRMJudge(lambda prompts: [("verdict: yes", 3, "stop")] * len(prompts))
-    judgments, _ = L.reward_stage(yes, rollouts[:2], truncated_reward=-1.0)
-    assert [r.reward for r in rollouts[:2]] == [-1.0, 1.0] and judgments[0].reward == -1.0
-    L.reward_stage(yes, rollouts[:2])  # without the option the judge's verdict stands
-    assert [r.reward for r in rollouts[:2]] == [1.0, 1.0]
-
-
-def test_train_stage_minibatches_take_one_step_per_slice(setup):
-    cfg, boot = setup
-    tok = build_tokenizer()
-    task = get_task(cfg.task.name, cfg.task.options)
-    engine = L.make_engine(L.load_policy(boot.policy_dir), cfg.rollout.engine)
-    rollouts, _ = L.rollout_stage(
-        engine, tok, L.train_problems(task, 2, 0, 1), 4, cfg.rollout.sampling, run_seed=0, iteration=1
-    )
-    for i, r in enumerate(rollouts):
-        r.reward = float(i % 2)
-    trainer = GRPOTrainer(L.load_policy(boot.policy_dir), pad_id=tok.pad_token_id, lr=1e-2, micro_batch=3)
-    stats, timing = L.train_stage(trainer, rollouts, minibatches=2)
-    assert trainer.version == 2 and stats.version == 2
-    assert timing.tokens == sum(len(r.response_ids) for r in rollouts if r.response_ids)
+def test_seeds_and_prompts_are_functions_of_their_keys():
+    task = get_task("sort", {"max_size": 4})
+    assert grpo.seq_seed("rollout", 0, 1, "p", 2) == grpo.seq_seed("rollout", 0, 1, "p", 2)
+    assert grpo.seq_seed("rollout", 0, 1, "p", 2) != grpo.seq_seed("rollout", 0, 1, "p", 3)
+    a, b = grpo.train_problems(task, 5, 0, 1), grpo.train_problems(task, 5, 0, 1)
+    assert [p.prompt for p in a] == [p.prompt for p in b]
+    held = {p.prompt for p in grpo.held_out_problems(task, 5)}
+    assert held != {p.prompt for p in grpo.train_problems(task, 5, 0, 0)}

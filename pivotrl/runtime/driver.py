@@ -1,8 +1,10 @@
 """Run a pipeline config on a Dask cluster: models → GPS → cluster + plugins → iterations → outputs.
 
-`run_pipeline` is what `pivotrl-pipeline submit` and `benchmarks.paradigms` call. The driver process is
-the optimizer owner (it holds the one AdamW state); every device-side step — generation for rollout and
-reward, gradients for train — runs on Dask workers under the controller's decisions.
+`run_pipeline` is what `pivotrl-pipeline submit` (`make demo`), `benchmarks.paradigms` and
+`benchmarks.learning` call. The driver process is the optimizer owner (`pivotrl.grpo.PolicyUpdater`, the
+one AdamW state); every device-side step — generation for rollout and reward, gradients for train — runs
+on Dask workers under the controller's decisions. The per-iteration loop is `pivotrl.pipeline.
+run_iterations`, which the single-process `pivotrl.loop.run_loop` runs too.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class RunResult:
     wall_s: float = 0.0
     final_policy: Path | None = None
     policy: dict[str, Any] = field(default_factory=dict)  # which core policy decided (name, groups, split)
+    curve: list[dict[str, float]] = field(default_factory=list)  # {iteration, elapsed_s, accuracy} (%)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -116,8 +119,8 @@ def worker_role_specs(cfg: PipelineConfig, paths: dict[str, Path], run_id: str) 
             "max_batch": cfg.train.micro_batch,
             "clip_eps": cfg.train.clip_eps,
             "kl_coef": cfg.train.kl_coef,
-            "ref_version": 0,  # the KL reference is the bootstrap policy, as in the single-process loop
-            "temperature": 1.0,  # engines report raw-distribution log-probs (see pivotrl.loop)
+            "ref_version": 0,  # the KL reference is the bootstrap policy
+            "temperature": 1.0,  # engines report raw-distribution log-probs (see pivotrl.grpo.make_trainer)
             "pad_id": PAD_ID,
             "grad_prefix": "grad",
         },
@@ -185,67 +188,6 @@ def policy_description(controller: Any) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------------------------------
-# The optimizer owner
-# ----------------------------------------------------------------------------------------------------
-
-
-class Owner:
-    """Holds the policy's optimizer; reduces flushed gradient sums, steps once, publishes the version."""
-
-    def __init__(self, cfg: PipelineConfig, policy_dir: Path, gps: Any) -> None:
-        import torch
-
-        from pivotrl.engines.checkpoints import PAD_ID, from_pretrained
-        from pivotrl.loop import make_trainer
-
-        self.cfg, self.gps = cfg, gps
-        self.model = from_pretrained(policy_dir, dtype=getattr(torch, cfg.models.policy.dtype))
-        self.trainer = make_trainer(cfg, self.model, PAD_ID)  # the single-process loop's owner, same settings
-        self.last_stats: dict[str, Any] = {}
-
-    def publish(self) -> int:
-        v = self.trainer.version
-        self.gps.publish(self.cfg.models.policy.name, v, self.model.state_dict())
-        self.gps.flush()  # workers are other processes: the version must be readable from a shared tier
-        return v
-
-    def apply(self, grads: list[dict[str, Any]], iteration: int) -> int:
-        from pivotrl.engines.trainer import GradSum, reduce
-
-        if not grads:  # no sample of the iteration had a response to learn from
-            self.last_stats = {"skipped": 1.0}
-            return self.trainer.version
-        sums = []
-        for g in grads:
-            ref = g["ref"]
-            sd = self.gps.fetch(ref["model"], int(ref["version"]))
-            st = dict(g["stats"])
-            sums.append(
-                GradSum(
-                    grads=sd,
-                    tokens=int(st["tokens"]),
-                    samples=int(st["samples"]),
-                    version=int(st["version"]),
-                    loss_sum=float(st["loss_sum"]),
-                    pg_sum=float(st["pg_sum"]),
-                    kl_ref_sum=float(st["kl_ref_sum"]),
-                    kl_old_sum=float(st["kl_old_sum"]),
-                    clipped=int(st["clipped"]),
-                    nonfinite=bool(st["nonfinite"]),
-                )
-            )
-        stats = self.trainer.apply(reduce(sums))
-        self.last_stats = stats.as_dict()
-        self.last_stats["replica_sums"] = len(sums)
-        for model in {g["ref"]["model"] for g in grads}:
-            with contextlib.suppress(Exception):
-                self.gps.gc(model, keep_last=1)
-        if stats.skipped:
-            return self.trainer.version
-        return self.publish()
-
-
-# ----------------------------------------------------------------------------------------------------
 # Running
 # ----------------------------------------------------------------------------------------------------
 
@@ -269,51 +211,6 @@ def new_run_id(cfg: PipelineConfig, mode: str) -> str:
     return f"{time.strftime('%Y%m%d-%H%M%S')}-{cfg.run.name}-{mode}-{uuid.uuid4().hex[:4]}"
 
 
-def evaluate(
-    session: Any, ctx: Any, problems: list[Any], version: int, tag: str, seed: int, timeout_s: float = 900.0
-) -> float:
-    """Held-out accuracy of policy `version`: greedy responses on rollout devices, checked by the verifier
-    (the verifier only measures; it never rewards)."""
-    s = ctx.cfg.rollout.sampling
-    items = []
-    for k, prob in enumerate(problems):
-        ids = ctx.encode(prob.prompt)
-        items.append(
-            {
-                "id": f"eval-{tag}-{k}",
-                "role": "rollout",
-                "iteration": -1,
-                "payload": {
-                    "prompt_ids": ids,
-                    "version": version,
-                    "sampling": {
-                        "temperature": 0.0,
-                        "top_p": 1.0,
-                        "max_new_tokens": int(s.max_new_tokens),
-                        "seed": seed,
-                        "stop_ids": [int(ctx.tokenizer.eos_token_id)],
-                    },
-                },
-                "prompt_tokens": len(ids),
-                "max_new_tokens": s.max_new_tokens,
-                "est_tokens": s.max_new_tokens // 2,
-            }
-        )
-    if not items:
-        return float("nan")
-    session.submit(items)
-    got: dict[str, bool] = {}
-    deadline = time.monotonic() + timeout_s
-    while len(got) < len(items):
-        for res in session.collect()["results"]:
-            k = int(res["id"].rsplit("-", 1)[1])
-            got[res["id"]] = bool(ctx.task.verify(problems[k], ctx.decode(list(res["generated"]))))
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"evaluation of version {version} did not finish in {timeout_s}s")
-        time.sleep(0.03)
-    return 100.0 * sum(got.values()) / len(got)
-
-
 def run_pipeline(
     cfg: PipelineConfig,
     *,
@@ -326,17 +223,21 @@ def run_pipeline(
     evaluate_policy: bool = True,
     save_final: bool = True,
     controller: Any = None,
+    eval_every: int | None = None,
+    on_iteration: Callable[[Any, dict[str, Any]], None] | None = None,
 ) -> RunResult:
     """Run `cfg` end to end (see the module docstring). `controller` (a `pivotrl.core.Controller`)
-    overrides the one `mode` selects."""
+    overrides the one `mode` selects. Held-out accuracy is measured before and after the run, and after
+    every `eval_every`-th iteration when given (`RunResult.curve`). `on_iteration(IterationResult, row)`
+    sees every iteration's samples and metrics row."""
     from pivotrl.gps import ParameterStore
-    from pivotrl.loop import held_out_problems, train_problems
+    from pivotrl.grpo import PolicyUpdater, evaluate, held_out_problems
     from pivotrl.malloc import keep_freed_memory
-    from pivotrl.pipeline import Pipeline, StageContext, default_stages
+    from pivotrl.pipeline import Pipeline, StageContext, default_stages, run_iterations
 
     keep_freed_memory()  # the driver's optimizer steps and the scheduler: see pivotrl/malloc.py
     from pivotrl.runtime.cluster import open_cluster
-    from pivotrl.runtime.metrics import IterationMeter, write_metrics
+    from pivotrl.runtime.metrics import write_metrics
     from pivotrl.runtime.session import RuntimeSession
     from pivotrl.tasks import get_task
 
@@ -356,7 +257,7 @@ def run_pipeline(
         host_tier(cfg.gps.host_tier, run_id) as host,
         ParameterStore(gps_root, host_tier=host, device_tier_bytes=0) as gps,
     ):
-        owner = Owner(cfg, paths["policy"], gps)
+        owner = PolicyUpdater.load(cfg, paths["policy"], gps)
         owner.publish()  # version 0 of the policy
         gps.pin(cfg.models.policy.name, 0)  # the KL reference and the baseline: never garbage-collected
         from pivotrl.engines.checkpoints import load_state_dict as load_hf
@@ -398,49 +299,40 @@ def run_pipeline(
                 from pivotrl.runtime.dashboard import register_dashboard
 
                 register_dashboard(handle.client)
-            if cfg.train.minibatches > 1:
-                log(
-                    f"note: train.minibatches={cfg.train.minibatches} is a single-process-loop setting; the "
-                    "distributed runtime takes one optimizer step per iteration over all its gradient sums"
-                )
             log(
                 f"run {run_id}: mode={mode}, {n_dev} device workers, {cfg.run.iterations} iterations, "
-                f"{cfg.task.prompts_per_iteration}×{cfg.task.group_size} samples/iteration"
+                f"{cfg.task.prompts_per_iteration}×{cfg.task.group_size} samples/iteration, "
+                f"{cfg.train.minibatches} optimizer step(s)/iteration"
             )
-            pipeline = Pipeline(stages or default_stages(), ctx, session, owner.apply)
-            eval_problems = held_out_problems(task, cfg.task.eval_prompts)
-            if evaluate_policy and eval_problems:
+            pipeline = Pipeline(stages or default_stages(), ctx, session, owner)
+            eval_problems = held_out_problems(task, cfg.task.eval_prompts) if evaluate_policy else []
+            t_iterations = time.monotonic()
+
+            def measure(it: int) -> float:
+                acc = evaluate(session, ctx, eval_problems, ctx.policy_version, f"it{it}", cfg.run.seed)
+                result.curve.append(
+                    {"iteration": it + 1, "elapsed_s": time.monotonic() - t_iterations, "accuracy": acc}
+                )
+                return acc
+
+            if eval_problems:
                 acc0 = evaluate(session, ctx, eval_problems, 0, "v0", cfg.run.seed)
                 result.eval["accuracy_before"] = acc0
+                result.curve.append({"iteration": 0, "elapsed_s": 0.0, "accuracy": acc0})
                 log(f"held-out accuracy of version 0: {acc0:.1f}%")
-            meter = IterationMeter(session, log)
-            bar = _progress_bar(cfg.run.iterations, progress)
-            budget = cfg.run.time_budget_s
-            t_iterations = time.monotonic()
-            for it in range(cfg.run.iterations):
-                if budget is not None and it > 0 and time.monotonic() - t_iterations >= budget:
-                    log(f"run.time_budget_s={budget:g} reached after {it} iterations; finishing the run")
-                    break
-                problems = train_problems(task, cfg.task.prompts_per_iteration, cfg.run.seed, it)
-                samples = pipeline.make_samples(it, problems, cfg.task.group_size, cfg.run.seed)
-                session.begin_iteration(meter.iteration_plan(it, samples, cfg))
-                meter.start(it)
-                res = pipeline.run_iteration(it, samples, on_poll=meter.poll)
-                version = owner.apply(res.grads, it)
-                ctx.policy_version = version
-                for role in ("rollout", "train"):
-                    session.set_version(role, version)
-                row = meter.finish(res, owner.last_stats, version)
-                result.iterations.append(row)
-                if bar is not None:
-                    bar.set_postfix_str(meter.postfix(row))
-                    bar.update(1)
-                else:
-                    log(meter.line(row))
-            if bar is not None:
-                bar.close()
-            if evaluate_policy and eval_problems:
-                acc1 = evaluate(session, ctx, eval_problems, ctx.policy_version, "final", cfg.run.seed)
+            t_iterations = time.monotonic()  # the budget counts learning, not the baseline measurement
+            result.iterations = run_iterations(
+                pipeline,
+                iterations=cfg.run.iterations,
+                time_budget_s=cfg.run.time_budget_s,
+                log=log,
+                progress=progress,
+                on_iteration=on_iteration,
+                evaluate_every=eval_every,
+                evaluate_fn=measure if eval_problems else None,
+            )
+            if eval_problems:
+                acc1 = result.curve[-1]["accuracy"] if result.iterations else acc0
                 result.eval["accuracy_after"] = acc1
                 result.eval["accuracy_gain_points"] = acc1 - result.eval["accuracy_before"]
                 log(
@@ -459,11 +351,3 @@ def run_pipeline(
     result.wall_s = time.monotonic() - t_start
     write_metrics(result, run_dir / "metrics.zarr")
     return result
-
-
-def _progress_bar(total: int, enabled: bool) -> Any:
-    if not enabled:
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc="iterations", unit="it", dynamic_ncols=True)

@@ -72,19 +72,18 @@ class IterationMeter:
         self.n_devices = 0
 
     # -- planning hints ---------------------------------------------------------------------------------
-    def iteration_plan(self, it: int, samples: list[Any], cfg: Any) -> dict[str, Any]:
+    def iteration_plan(self, it: int, samples: list[Any], cfg: Any) -> Any:
+        """core's `IterationPlan`: the iteration's work per role, expected from the last iteration's
+        lengths (the budgets' halves before any was measured)."""
+        from pivotrl.core import IterationPlan
+
         g = cfg.task.group_size
         resp = self.prev.get("response_tokens_mean") or cfg.rollout.sampling.max_new_tokens / 2
         judge = self.prev.get("judge_tokens_mean") or cfg.reward.sampling.max_new_tokens / 2
         prompt = sum(len(s.prompt_ids) for s in samples) / max(1, len(samples))
-        return {
-            "iteration": it,
-            "rollout_seqs": len(samples),
-            "group_size": g,
-            "rollout_tokens_per_seq": float(resp),
-            "reward_tokens_per_rollout": float(judge),
-            "train_tokens_per_group": float(g * (prompt + resp)),
-        }
+        return IterationPlan(iteration=it, rollout_seqs=len(samples), group_size=g,
+                             rollout_tokens_per_seq=float(resp), reward_tokens_per_rollout=float(judge),
+                             train_tokens_per_group=float(g * (prompt + resp)))
 
     # -- live -------------------------------------------------------------------------------------------
     def start(self, it: int) -> None:
@@ -102,9 +101,9 @@ class IterationMeter:
         self.device_time0 = device_times(st)
         self.plan0 = (st.get("plan_s", 0.0), st.get("plans", 0))
 
-    def poll(self, out: dict[str, Any]) -> None:
-        """Called with each `collect` reply while an iteration runs."""
-        state, events = out["state"], out.get("events")
+    def poll(self, out: Any) -> None:
+        """Called with each `collect` reply (a `Collected`) while an iteration runs."""
+        state, events = out.state, out.events
         now = time.monotonic()
         dt = now - self._t_poll
         self._t_poll = now
@@ -167,7 +166,7 @@ class IterationMeter:
         for ph in PHASES:
             vals = [shift_phase(e, ph) for e in self.shifts]
             row[f"shift_{ph}_s"] = sum(vals) / len(vals) if vals else math.nan
-        for key in ("loss", "grad_norm", "skipped", "replica_sums", "clip_frac"):
+        for key in ("loss", "grad_norm", "skipped", "replica_sums", "clip_frac", "steps"):
             if key in train_stats:
                 row[f"train_{key}"] = float(train_stats[key])
         for stage, t in res.stage_seconds.items():

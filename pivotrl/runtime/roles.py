@@ -8,8 +8,11 @@ Every context has the same life cycle, which is what makes shifting one code pat
     ... ctx.add(item) / ctx.step() / ctx.abort(ids) / ctx.progress() / ctx.flush() ...
     ctx.offload()                      # free weights and caches                      (timed as "offload")
 
-Items and results are plain dicts of lists (never tensors), since they travel through Dask comms.
-`GenerationContext` serves rollout (policy) and reward (GenRM judge): both are token generation.
+Items come in as `WorkItem`s and leave as `ItemResult`s, `Partial`s, `StepSample`s and `GradResult`s
+(`pivotrl.runtime.messages`): plain lists and numbers (never tensors), since a host may send them through
+Dask comms, and typed, so a host in this process (`pivotrl.local_session.LocalSession`) and a Dask role
+host run the same contexts. `GenerationContext` serves rollout (policy) and reward (GenRM judge): both are
+token generation.
 `TrainContext` computes GRPO gradient sums for micro-batches and hands its local sum to the GPS on `flush`.
 """
 
@@ -19,6 +22,8 @@ import time
 from typing import Any
 
 import torch
+
+from pivotrl.runtime.messages import GradResult, GradStats, ItemResult, Partial, StepSample, WorkItem
 
 
 def _build_model(spec: dict[str, Any], device: str, state: dict[str, torch.Tensor]) -> Any:
@@ -104,21 +109,21 @@ class GenerationContext(_Weights):
             self.engine.offload()
         self.engine = None
 
-    def add(self, item: dict[str, Any]) -> None:
+    def add(self, item: WorkItem) -> None:
         from pivotrl.engines.generation import GenRequest, SamplingParams
 
-        p = item["payload"]
+        p = item.payload
         s = dict(p.get("sampling") or {})
         if "stop_ids" in s:
             s["stop_ids"] = tuple(s["stop_ids"])
-        self.live.add(item["id"])
+        self.live.add(item.id)
         self.engine.add(
             GenRequest(
-                seq_id=item["id"],
+                seq_id=item.id,
                 prompt_ids=list(p["prompt_ids"]),
                 sampling=SamplingParams(**s),
-                generated_ids=list(item.get("generated", ())),
-                logprobs=list(item.get("logprobs", ())),
+                generated_ids=list(item.generated),
+                logprobs=list(item.logprobs),
             )
         )
 
@@ -130,7 +135,7 @@ class GenerationContext(_Weights):
             return 0
         return max(0, self.max_batch - self.engine.num_running - self.engine.num_waiting)
 
-    def step(self) -> tuple[list[dict[str, Any]], tuple[int, float, int] | None]:
+    def step(self) -> tuple[list[ItemResult], StepSample | None]:
         before = self._tokens()
         t0 = time.perf_counter()
         done = self.engine.step()
@@ -138,28 +143,28 @@ class GenerationContext(_Weights):
         tokens = self._tokens() - before
         self.live.difference_update(r.seq_id for r in done)
         out = [
-            {
-                "id": r.seq_id,
-                "generated": r.generated_ids,
-                "logprobs": r.logprobs,
-                "finish_reason": r.finish_reason,
-                "version": self.version,
-            }
+            ItemResult(
+                id=r.seq_id,
+                generated=[int(t) for t in r.generated_ids],
+                logprobs=[float(x) for x in r.logprobs],
+                finish_reason=r.finish_reason,
+            )
             for r in done
         ]
-        return out, ((tokens, dt, tokens) if tokens else None)
+        # concurrency: one token per running sequence per decode step, so the step's tokens
+        return out, (StepSample(tokens, dt, tokens) if tokens else None)
 
     def _tokens(self) -> int:
         n = getattr(self.engine, "tokens_generated", None)
         return int(n if n is not None else self.engine.stats().get("tokens_generated", 0))
 
-    def abort(self, ids: list[str] | None) -> list[dict[str, Any]]:
+    def abort(self, ids: list[str] | None) -> list[Partial]:
         if self.engine is None:
             return []
         ids = sorted(self.live) if ids is None else list(ids)
         self.live.difference_update(ids)
         return [
-            {"id": r.seq_id, "generated": r.generated_ids, "logprobs": r.logprobs}
+            Partial(r.seq_id, [int(t) for t in r.generated_ids], [float(x) for x in r.logprobs])
             for r in self.engine.abort(ids)
         ]
 
@@ -169,7 +174,7 @@ class GenerationContext(_Weights):
         partials = getattr(self.engine, "partials", None)
         return partials() if partials is not None else {}
 
-    def flush(self) -> None:
+    def flush(self) -> GradResult | None:
         return None
 
 
@@ -183,7 +188,7 @@ class TrainContext(_Weights):
     def __init__(self, role: str, spec: dict[str, Any]) -> None:
         super().__init__(role, spec)
         self.model: Any = None
-        self.queue: list[dict[str, Any]] = []
+        self.queue: list[WorkItem] = []
         self.sum: Any = None
         self.done: list[str] = []
         self.micro_batch = int(spec.get("micro_batch", 8))
@@ -214,7 +219,7 @@ class TrainContext(_Weights):
     def offload(self) -> None:
         self.model = self.ref_model = None
 
-    def add(self, item: dict[str, Any]) -> None:
+    def add(self, item: WorkItem) -> None:
         self.queue.append(item)
 
     def has_work(self) -> bool:
@@ -223,13 +228,13 @@ class TrainContext(_Weights):
     def free_slots(self) -> int:
         return max(0, self.max_batch - len(self.queue))
 
-    def step(self) -> tuple[list[dict[str, Any]], tuple[int, float, int] | None]:
+    def step(self) -> tuple[list[ItemResult], StepSample | None]:
         from pivotrl.engines.trainer import LossConfig, TrainSample, compute_grad_sum
 
         batch, self.queue = self.queue[: self.micro_batch], self.queue[self.micro_batch :]
         samples = []
         for item in batch:
-            p = item["payload"]
+            p = item.payload
             samples.append(
                 TrainSample(
                     prompt_ids=list(p["prompt_ids"]),
@@ -254,19 +259,19 @@ class TrainContext(_Weights):
             version=int(self.version or 0),
         )
         self.sum = gs if self.sum is None else self.sum + gs
-        self.done.extend(i["id"] for i in batch)
+        self.done.extend(i.id for i in batch)
         tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
-        return [{"id": i["id"]} for i in batch], (len(batch), time.perf_counter() - t0, tokens)
+        return [ItemResult(i.id) for i in batch], StepSample(len(batch), time.perf_counter() - t0, tokens)
 
-    def abort(self, ids: list[str] | None) -> list[dict[str, Any]]:
-        back = [i for i in self.queue if ids is None or i["id"] in ids]
+    def abort(self, ids: list[str] | None) -> list[Partial]:
+        back = [i for i in self.queue if ids is None or i.id in ids]
         self.queue = [i for i in self.queue if i not in back]
-        return [{"id": i["id"], "generated": [], "logprobs": []} for i in back]
+        return [Partial(i.id) for i in back]
 
     def progress(self) -> dict[str, tuple[list[int], list[float]]]:
         return {}
 
-    def flush(self) -> dict[str, Any] | None:
+    def flush(self) -> GradResult | None:
         """Publish the local gradient sum to the GPS (persisted before we report it) and hand in its ref."""
         if self.sum is None:
             return None
@@ -279,18 +284,15 @@ class TrainContext(_Weights):
         self.env.gps.publish(name, version, gs.grads)
         self.env.gps.flush()
         self.sum, self.done = None, []  # handed in only once safely persisted
-        stats = {
-            k: getattr(gs, k)
-            for k in (
-                "tokens",
-                "samples",
-                "version",
-                "loss_sum",
-                "pg_sum",
-                "kl_ref_sum",
-                "kl_old_sum",
-                "clipped",
-                "nonfinite",
-            )
-        }
-        return {"ref": {"model": name, "version": version}, "items": items, "stats": stats}
+        stats = GradStats(
+            tokens=int(gs.tokens),
+            samples=int(gs.samples),
+            version=int(gs.version),
+            loss_sum=float(gs.loss_sum),
+            pg_sum=float(gs.pg_sum),
+            kl_ref_sum=float(gs.kl_ref_sum),
+            kl_old_sum=float(gs.kl_old_sum),
+            clipped=int(gs.clipped),
+            nonfinite=bool(gs.nonfinite),
+        )
+        return GradResult(model=name, version=version, items=items, stats=stats)

@@ -9,6 +9,7 @@ import pytest
 
 from pivotrl.config import PipelineConfig
 from pivotrl.engines.checkpoints import build_tokenizer
+from pivotrl.grpo import minibatch_slices
 from pivotrl.pipeline import (
     AdvantageStage,
     GenRMRewardStage,
@@ -20,6 +21,7 @@ from pivotrl.pipeline import (
     StageContext,
     TrainStage,
 )
+from pivotrl.runtime.messages import Collected, GradResult, GradStats, ItemResult
 from pivotrl.tasks import get_task
 
 
@@ -29,39 +31,43 @@ class InlineSession:
 
     def __init__(self, task, tok) -> None:
         self.task, self.tok = task, tok
-        self.results: list[dict] = []
+        self.results: list[ItemResult] = []
+        self.grads: list[GradResult] = []
         self.accumulated: list[str] = []
-        self.submitted: list[dict] = []
+        self.submitted: list = []
         self.flushes = 0
+        self.versions: list[tuple[str, int]] = []
 
-    def submit(self, items):
-        for it in items:
+    def submit(self, requests):
+        for it in requests:
             self.submitted.append(it)
-            p = it["payload"]
-            if it["role"] == "rollout":
-                k = int(it["id"].split(":")[-1].split("/")[0])
+            p = it.payload
+            if it.role == "rollout":
+                k = int(it.id.split(":")[-1].split("/")[0])
                 words = self.tok.decode(p["prompt_ids"][1:]).split("=")[0].split()
                 text = " ".join(sorted(w for w in words if w.isdigit()))
                 ids = self.tok.encode(text, add_special_tokens=False) if k % 2 == 0 else []
-                self.results.append(
-                    {"id": it["id"], "generated": ids, "logprobs": [-0.1] * len(ids), "finish_reason": "stop"}
-                )
-            elif it["role"] == "reward":
-                self.results.append(
-                    {"id": it["id"], "generated": self.tok.encode("verdict: yes", add_special_tokens=False)}
-                )
+                self.results.append(ItemResult(it.id, ids, [-0.1] * len(ids), "stop"))
+            elif it.role == "reward":
+                verdict = self.tok.encode("verdict: yes", add_special_tokens=False)
+                self.results.append(ItemResult(it.id, verdict))
             else:
-                self.accumulated.append(it["id"])
+                self.accumulated.append(it.id)
 
     def flush(self, iteration):
         self.flushes += 1
         if self.accumulated:
-            self.results.append({"kind": "grad", "items": list(self.accumulated), "ref": None, "stats": {}})
+            stats = GradStats(tokens=1, samples=len(self.accumulated), version=0)
+            self.grads.append(GradResult("grad", self.flushes, list(self.accumulated), stats))
             self.accumulated = []
 
+    def set_version(self, role, version):
+        self.versions.append((role, version))
+
     def collect(self):
-        out, self.results = self.results, []
-        return {"results": out, "events": [], "state": {}}
+        out = Collected(self.results, self.grads)
+        self.results, self.grads = [], []
+        return out
 
 
 class CountLong(Stage):
@@ -90,13 +96,13 @@ def test_pipeline_streams_stages_and_trains_every_sample_once(setup):
     samples = pipe.make_samples(0, task.sample(3, seed=1), 4, run_seed=0)
     res = pipe.run_iteration(0, samples)
     assert len(samples) == 12 and sess.flushes == 1
-    trained = [i for g in res.grads for i in g["items"]]
+    trained = [i for g in res.grads for i in g.items]
     with_response = [s for s in samples if s.response_ids]
     assert sorted(trained) == sorted(f"{s.uid}/train" for s in with_response)  # once each; empty ones skip
     assert all(s.reward == 1.0 for s in samples)  # the GenRM stage parsed the judge's verdict
     assert all("long" in s.data for s in samples)  # the user stage ran on every sample
     assert all(abs(s.advantage) < 1e-6 for s in samples)  # equal rewards in a group: no signal
-    roles = [it["role"] for it in sess.submitted]
+    roles = [it.role for it in sess.submitted]
     assert roles.count("rollout") == 12 and roles.count("reward") == 12 and roles.count("train") == 6
     assert len({s.seed for s in samples}) == 12  # every sample samples with its own key
 
@@ -142,3 +148,38 @@ def test_overlong_budget_and_truncated_reward_skip_the_judge(setup):
     assert judge.request(sample, ctx) is None and sample.reward == -1.0 and ctx.counters["truncated"] == 1
     sample.finish_reason, sample.reward = "stop", None
     assert judge.request(sample, ctx) is not None and sample.reward is None
+
+
+class _Updater:
+    """Records each optimizer step's gradient sums; one version per step."""
+
+    def __init__(self, k: int) -> None:
+        self.k, self.steps, self.version, self.last_stats = k, [], 0, {}
+
+    def slices(self, n):
+        return minibatch_slices(n, self.k)
+
+    def apply(self, grads, iteration):
+        self.steps.append(sorted(i for g in grads for i in g.items))
+        self.version += 1
+        return self.version
+
+
+def test_minibatches_step_once_per_slice_and_release_slices_in_order(setup):
+    """`train.minibatches`: slice k's train items are submitted only after slice k-1's step, at the new
+    version, and each step covers exactly its slice's trainable samples."""
+    tok, task, cfg = setup
+    ctx = StageContext(tokenizer=tok, task=task, cfg=cfg)
+    sess = InlineSession(task, tok)
+    upd = _Updater(3)
+    pipe = Pipeline([RolloutStage(), GenRMRewardStage(), AdvantageStage(), TrainStage()], ctx, sess, upd)
+    samples = pipe.make_samples(0, task.sample(3, seed=1), 4, run_seed=0)
+    res = pipe.run_iteration(0, samples)
+    assert [len(r) for r in minibatch_slices(12, 3)] == [4, 4, 4]  # whole groups of 4
+    want = [sorted(f"{s.uid}/train" for s in samples[4 * k : 4 * k + 4] if s.response_ids) for k in range(3)]
+    assert upd.steps == want and res.version == 3 and res.train_stats["steps"] == 3
+    train_versions = [it.payload["version"] for it in sess.submitted if it.role == "train"]
+    assert train_versions == [0, 0, 1, 1, 2, 2]  # 2 trainable samples per group, each at its slice's version
+    assert sess.flushes == 3 and sess.versions == [("train", 1), ("train", 2), ("train", 3)]
+    assert minibatch_slices(10, 4) == [range(0, 2), range(2, 5), range(5, 8), range(8, 10)]
+    assert minibatch_slices(3, 8) == [range(0, 1), range(1, 2), range(2, 3)] and minibatch_slices(0, 2) == []

@@ -14,10 +14,11 @@ import time
 from pathlib import Path
 
 import pytest
-from pivotrl.runtime.control import ManualControl
 
 from pivotrl.runtime.cluster import open_cluster
+from pivotrl.runtime.messages import ItemResult, WorkRequest
 from pivotrl.runtime.session import RuntimeSession
+from tests.runtime.test_mechanism import manual
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -61,7 +62,7 @@ def test_small_model_shift_overhead_under_1_5_s(small_gps):
     with open_cluster(workers=2, dashboard_address=None) as handle:
         sess = RuntimeSession.install(
             handle.client,
-            control=ManualControl(["rollout", "rollout"]),
+            controller=manual(["rollout", "rollout"]),
             role_specs=specs,
             worker_options={
                 "gps": {"root": str(root / "store"), "host_tier": str(host), "device_tier_bytes": 0},
@@ -71,15 +72,15 @@ def test_small_model_shift_overhead_under_1_5_s(small_gps):
         st = sess.wait_ready(2, timeout_s=120)
         dev = next(a for a, w in st["workers"].items() if w["name"] == "0")
         items = [
-            {
-                "id": f"s{i}",
-                "role": "rollout",
-                "payload": {
+            WorkRequest(
+                f"s{i}",
+                "rollout",
+                {
                     "prompt_ids": [1, 20, 21, 22],
                     "version": 0,
                     "sampling": {"temperature": 1.0, "max_new_tokens": 64, "seed": i},
                 },
-            }
+            )
             for i in range(8)
         ]
         sess.submit(items)
@@ -90,7 +91,7 @@ def test_small_model_shift_overhead_under_1_5_s(small_gps):
         got: set[str] = set()
         deadline = time.monotonic() + 120
         while len(got) < len(items):
-            got.update(r["id"] for r in sess.collect()["results"])
+            got.update(r.id for r in sess.collect().results)
             assert time.monotonic() < deadline
             time.sleep(0.05)
         shifts = [e for e in sess.metrics()["events"] if e["kind"] == "shift_done" and e["src"] is not None]
@@ -109,26 +110,26 @@ def test_small_model_shift_overhead_under_1_5_s(small_gps):
     assert statistics.mean(totals) <= 1.5
 
 
-def _gen_items(tag: str, version: int, n: int = 4) -> list[dict]:
+def _gen_items(tag: str, version: int, n: int = 4) -> list[WorkRequest]:
     return [
-        {
-            "id": f"{tag}-{i}",
-            "role": "rollout",
-            "payload": {
+        WorkRequest(
+            f"{tag}-{i}",
+            "rollout",
+            {
                 "prompt_ids": [1, 20, 21, 22, 23],
                 "version": version,
                 "sampling": {"temperature": 1.0, "max_new_tokens": 12, "seed": 100 + i},
             },
-        }
+        )
         for i in range(n)
     ]
 
 
-def _collect(sess: RuntimeSession, n: int, timeout_s: float = 60.0) -> dict[str, dict]:
-    got: dict[str, dict] = {}
+def _collect(sess: RuntimeSession, n: int, timeout_s: float = 60.0) -> dict[str, ItemResult]:
+    got: dict[str, ItemResult] = {}
     deadline = time.monotonic() + timeout_s
     while len(got) < n:
-        got.update({r["id"]: r for r in sess.collect()["results"]})
+        got.update({r.id: r for r in sess.collect().results})
         assert time.monotonic() < deadline, sorted(got)
         time.sleep(0.03)
     return got
@@ -153,7 +154,7 @@ def test_parked_context_shifts_back_warm_and_follows_versions(tmp_path):
     with open_cluster(workers=2, dashboard_address=None) as handle:
         sess = RuntimeSession.install(
             handle.client,
-            control=ManualControl(["rollout", "reward"]),
+            controller=manual(["rollout", "reward"]),
             role_specs=specs,
             worker_options={"gps": {"root": str(store), "device_tier_bytes": 0}},
         )
@@ -171,7 +172,7 @@ def test_parked_context_shifts_back_warm_and_follows_versions(tmp_path):
         sess.submit(_gen_items("after", 0))
         after = _collect(sess, 4)
         for i in range(4):
-            assert after[f"after-{i}"]["generated"] == before[f"before-{i}"]["generated"]
+            assert after[f"after-{i}"].generated == before[f"before-{i}"].generated
         # a newer version: the parked engine swaps weights; its tokens match a freshly built engine's
         sess.client.sync(sess.client.scheduler.pivotrl_set_version, role="rollout", version=1)
         sess.shift(dev, "reward")
@@ -180,18 +181,17 @@ def test_parked_context_shifts_back_warm_and_follows_versions(tmp_path):
         sess.wait_ready(2, roles={st["workers"][cold]["name"]: "rollout"}, timeout_s=60)
         sess.submit(_gen_items("cold", 1))
         fresh = _collect(sess, 4)
-        assert {r["worker"] for r in fresh.values()} == {cold}
+        assert {r.worker for r in fresh.values()} == {cold}
         sess.shift(cold, "train")
         sess.wait_ready(2, roles={st["workers"][cold]["name"]: "train"}, timeout_s=60)
         sess.shift(dev, "rollout")
         sess.wait_ready(2, roles={st["workers"][dev]["name"]: "rollout"}, timeout_s=60)
         sess.submit(_gen_items("warm", 1))
         warm = _collect(sess, 4)
-        assert {r["worker"] for r in warm.values()} == {dev}
-        for i in range(4):
-            assert warm[f"warm-{i}"]["generated"] == fresh[f"cold-{i}"]["generated"]
-            assert warm[f"warm-{i}"]["version"] == 1
-        assert fresh["cold-0"]["generated"] != before["before-0"]["generated"]
+        assert {r.worker for r in warm.values()} == {dev}
+        for i in range(4):  # the same tokens as a context built cold at version 1: the warm one is at 1
+            assert warm[f"warm-{i}"].generated == fresh[f"cold-{i}"].generated
+        assert fresh["cold-0"].generated != before["before-0"].generated
         shifts = [e for e in sess.metrics()["events"] if e["kind"] == "shift_done" and e["src"] is not None]
     by = [(e["worker"], e["src"], e["role"], e["timings"]) for e in shifts]
     back_same = by[1]  # dev: train -> rollout at version 0

@@ -8,6 +8,7 @@ import torch
 
 from pivotrl.engines.checkpoints import from_pretrained, load_state_dict
 from pivotrl.engines.trainer import LossConfig, TrainSample, compute_grad_sum
+from pivotrl.runtime.messages import GradResult, WorkItem
 from pivotrl.runtime.roles import TrainContext
 
 
@@ -39,20 +40,22 @@ def test_kl_reference_comes_from_the_gps_and_matches_the_trainer(debug_model_dir
     ctx = TrainContext("train", spec)
     ctx.load(env, cur_sd)
     items = [
-        {
-            "id": f"s{i}",
-            "payload": {
+        WorkItem(
+            f"s{i}",
+            "train",
+            {
                 "prompt_ids": [1, 5 + i, 7],
                 "response_ids": [9, 10 + i, 2],
                 "advantage": 0.5 - i * 0.3,
                 "logprobs": None,
             },
-        }
+        )
         for i in range(3)
     ]
     for it in items:
         ctx.add(it)
-    ctx.step()
+    done, sample = ctx.step()
+    assert [r.id for r in done] == ["s0", "s1", "s2"] and sample.concurrency == 3 and sample.tokens == 18
 
     policy, ref = from_pretrained(debug_model_dir), from_pretrained(debug_model_dir)
     policy.load_state_dict(cur_sd)
@@ -71,3 +74,25 @@ def test_kl_reference_comes_from_the_gps_and_matches_the_trainer(debug_model_dir
     for name, g in want.grads.items():
         torch.testing.assert_close(ctx.sum.grads[name], g, rtol=1e-4, atol=1e-6)
     assert any(not torch.allclose(no_kl.grads[n], g) for n, g in want.grads.items())  # the KL term mattered
+
+
+def test_flush_publishes_the_sum_and_hands_in_a_grad_result(debug_model_dir, tmp_path):
+    from pivotrl.gps import ParameterStore
+
+    sd = load_state_dict(debug_model_dir)
+    with ParameterStore(tmp_path / "gps", device_tier_bytes=0) as gps:
+        env = SimpleNamespace(device="cpu", gps=gps, name="7")
+        spec = {"model": "policy", "hf_dir": str(debug_model_dir), "micro_batch": 2, "version": 0}
+        ctx = TrainContext("train", spec)
+        ctx.load(env, sd)
+        assert ctx.flush() is None  # nothing accumulated
+        for i in range(3):
+            payload = {"prompt_ids": [1, 4], "response_ids": [5 + i], "advantage": 1.0}
+            ctx.add(WorkItem(f"t{i}", "train", payload))
+        while ctx.has_work():
+            ctx.step()
+        g = ctx.flush()
+        assert isinstance(g, GradResult) and g.model == "grad-w7" and g.version == 0
+        assert g.items == ["t0", "t1", "t2"] and g.stats.samples == 3 and g.stats.tokens == 3
+        assert set(gps.fetch("grad-w7", 0)) == {n for n, _ in ctx.model.named_parameters()}
+        assert ctx.parkable()  # nothing unflushed left in it
