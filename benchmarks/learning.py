@@ -185,7 +185,7 @@ def _run_seed(job: tuple) -> dict[str, Any]:
     """One RL run of the shipped recipe (`run_pipeline`, as `make demo`), own process when seeds run side
     by side. Accuracies in the JSON are fractions; `history` holds the runtime's metric rows plus the
     plotted keys (`mean_reward`, `verifier_reward`, `elapsed_s`)."""
-    from pivotrl.runtime.driver import run_pipeline
+    from pivotrl.run import run_pipeline
 
     cfg_data, policy_dir, judge_dir, seed, budget, iterations, eval_every, threads = job
     torch.set_num_threads(threads)

@@ -166,7 +166,7 @@ def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
 def run_mode(cfg: Any, mode: str, groups: list[list[str]] | None = None) -> dict[str, Any]:
     """One run under `mode`; a static grouping is core's `Grouped` policy, chosen by the config exactly as
     a user's `scheduler.static_groups` is. The result names the policy that decided."""
-    from pivotrl.runtime.driver import run_pipeline
+    from pivotrl.run import run_pipeline
 
     if groups is not None:
         cfg = cfg.model_copy(deep=True)

@@ -28,7 +28,7 @@ from pivotrl.pipeline import (
     StageContext,
     TrainStage,
 )
-from pivotrl.runtime.driver import run_pipeline
+from pivotrl.run import run_pipeline
 
 
 class LengthPenalty(Stage):

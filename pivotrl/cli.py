@@ -15,7 +15,7 @@ import sys
 from pivotrl.errors import UserError
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "submit": ("pivotrl.runtime.submit", "run a pipeline on a Dask cluster"),
+    "submit": ("pivotrl.submit", "run a pipeline on a Dask cluster"),
     "bootstrap": ("pivotrl.engines.bootstrap", "build the version-0 policy and GenRM judge"),
     "simulate": ("pivotrl.sim.cli", "simulate a workload under every deployment paradigm"),
     "plan": ("pivotrl.sim.plan_cli", "what-if table over paradigms and splits for a workload"),

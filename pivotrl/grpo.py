@@ -1,7 +1,7 @@
 """The GRPO recipe's shared pieces: seeds, prompts, budgets, the optimizer owner, held-out evaluation.
 
 Why one module: the single-process run (`pivotrl.loop.run_loop` over a `LocalSession`) and the Dask runtime
-(`pivotrl.runtime.driver.run_pipeline`) must be the same recipe on different executors, so everything that
+(`pivotrl.run.run_pipeline`) must be the same recipe on different executors, so everything that
 decides *what* is computed — which prompts an iteration draws, each sequence's sampling seed, each prompt's
 token budget, how the iteration's samples are cut into optimizer steps, how the step is taken — lives here
 once and both import it. Nothing here knows how work is executed; it talks to a session (`submit`,

@@ -2,7 +2,7 @@
 
 Why it exists: a run that needs no cluster (tests, a laptop, debugging a stage) — and, because it is the
 same `Pipeline`, stages, role contexts, optimizer owner and per-iteration driver (`run_iterations`) as
-`pivotrl.runtime.driver.run_pipeline`, a reference the distributed run is checked against
+`pivotrl.run.run_pipeline`, a reference the distributed run is checked against
 (tests/test_recipe_equivalence.py). Only the executor differs: every role's context lives here and is
 stepped round-robin; weights still go through a real parameter store.
 """
@@ -61,9 +61,9 @@ def run_loop(
     from pivotrl.engines.checkpoints import load_state_dict, save_hf
     from pivotrl.gps import ParameterStore
     from pivotrl.grpo import PolicyUpdater, evaluate, held_out_problems
-    from pivotrl.local_session import LocalSession
     from pivotrl.pipeline import Pipeline, StageContext, default_stages, run_iterations
-    from pivotrl.runtime.driver import load_tokenizer, worker_role_specs
+    from pivotrl.run import load_tokenizer, worker_role_specs
+    from pivotrl.runtime.local_session import LocalSession
     from pivotrl.runtime.role_host import WorkerEnv
     from pivotrl.tasks import get_task
 

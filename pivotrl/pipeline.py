@@ -15,8 +15,8 @@ train items submitted (so they are computed at the new version). Rollout replica
 final version.
 
 A session executes the work: `pivotrl.runtime.session.RuntimeSession` on Dask devices, or
-`pivotrl.local_session.LocalSession` in this process; `run_iterations` is the per-iteration driver both
-`run_pipeline` and `run_loop` call, so the two are one recipe.
+`pivotrl.runtime.local_session.LocalSession` in this process; `run_iterations` is the per-iteration
+driver both `run_pipeline` and `run_loop` call, so the two are one recipe.
 
 A user adds a stage by subclassing `Stage` and inserting it in the list, e.g.::
 

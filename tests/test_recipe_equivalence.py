@@ -97,7 +97,7 @@ def _capture(into: dict):
 
 def run_both(cfg, boot, tmp_path, local_seed: int | None = None):
     from pivotrl.loop import run_loop
-    from pivotrl.runtime.driver import run_pipeline
+    from pivotrl.run import run_pipeline
 
     local_cfg = cfg.model_copy(deep=True)
     if local_seed is not None:

@@ -10,9 +10,9 @@ Every context has the same life cycle, which is what makes shifting one code pat
 
 Items come in as `WorkItem`s and leave as `ItemResult`s, `Partial`s, `StepSample`s and `GradResult`s
 (`pivotrl.runtime.messages`): plain lists and numbers (never tensors), since a host may send them through
-Dask comms, and typed, so a host in this process (`pivotrl.local_session.LocalSession`) and a Dask role
-host run the same contexts. `GenerationContext` serves rollout (policy) and reward (GenRM judge): both are
-token generation.
+Dask comms, and typed, so a host in this process (`pivotrl.runtime.local_session.LocalSession`) and a
+Dask role host run the same contexts. `GenerationContext` serves rollout (policy) and reward (GenRM
+judge): both are token generation.
 `TrainContext` computes GRPO gradient sums for micro-batches and hands its local sum to the GPS on `flush`.
 """
 

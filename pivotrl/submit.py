@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
 
     from tqdm import tqdm
 
-    from pivotrl.runtime.driver import run_pipeline
+    from pivotrl.run import run_pipeline
 
     def log(msg: str) -> None:
         tqdm.write(msg, file=sys.stdout)
