@@ -136,23 +136,7 @@ class PolicyUpdater:
         if not grads:  # no sample of the slice had a response to learn from
             self.last_stats = {"skipped": 1.0}
             return self.version
-        sums = []
-        for g in grads:
-            st = g.stats
-            sums.append(
-                GradSum(
-                    grads=self.gps.fetch(g.model, int(g.version)),
-                    tokens=st.tokens,
-                    samples=st.samples,
-                    version=st.version,
-                    loss_sum=st.loss_sum,
-                    pg_sum=st.pg_sum,
-                    kl_ref_sum=st.kl_ref_sum,
-                    kl_old_sum=st.kl_old_sum,
-                    clipped=st.clipped,
-                    nonfinite=st.nonfinite,
-                )
-            )
+        sums = [GradSum(grads=self.gps.fetch(g.model, int(g.version)), **g.stats.as_kwargs()) for g in grads]
         stats = self.trainer.apply(reduce(sums))
         self.last_stats = stats.as_dict()
         self.last_stats["replica_sums"] = len(sums)

@@ -158,6 +158,16 @@ class GradStats(Wire):
     clipped: int = 0
     nonfinite: bool = False
 
+    @classmethod
+    def of(cls, grad_sum: Any) -> GradStats:
+        """The scalars of a trainer's `GradSum` (the same field names), as plain numbers."""
+        hints = get_type_hints(cls)
+        return cls(**{f.name: hints[f.name](getattr(grad_sum, f.name)) for f in fields(cls)})
+
+    def as_kwargs(self) -> dict[str, Any]:
+        """The fields, for building a `GradSum` back: `GradSum(grads=..., **stats.as_kwargs())`."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
 
 @dataclass
 class GradResult(Wire):

@@ -284,15 +284,5 @@ class TrainContext(_Weights):
         self.env.gps.publish(name, version, gs.grads)
         self.env.gps.flush()
         self.sum, self.done = None, []  # handed in only once safely persisted
-        stats = GradStats(
-            tokens=int(gs.tokens),
-            samples=int(gs.samples),
-            version=int(gs.version),
-            loss_sum=float(gs.loss_sum),
-            pg_sum=float(gs.pg_sum),
-            kl_ref_sum=float(gs.kl_ref_sum),
-            kl_old_sum=float(gs.kl_old_sum),
-            clipped=int(gs.clipped),
-            nonfinite=bool(gs.nonfinite),
-        )
+        stats = GradStats.of(gs)
         return GradResult(model=name, version=version, items=items, stats=stats)
