@@ -10,9 +10,10 @@ waits for its whole group), so with disaggregated or shiftable deployment reward
 The last stage is the train stage: its items become local gradient sums on train replicas. The iteration's
 samples are cut into `train.minibatches` slices (`pivotrl.grpo.minibatch_slices`); when every sample of a
 slice is in some flushed sum, the optimizer owner (`pivotrl.grpo.PolicyUpdater`) reduces the sums, steps
-and publishes the next policy version to the Global Parameter Storage, and only then are the next slice's
-train items submitted (so they are computed at the new version). Rollout replicas load the iteration's
-final version.
+and publishes the next policy version to the Global Parameter Storage. A slice's train items are submitted
+as their samples arrive once the slice before it has stepped (so they are computed at the version they are
+applied to): with one slice, train streams alongside rollout and judging. Rollout replicas load the
+iteration's final version.
 
 A session executes the work: `pivotrl.runtime.session.RuntimeSession` on Dask devices, or
 `pivotrl.runtime.local_session.LocalSession` in this process; `run_iterations` is the per-iteration
@@ -222,7 +223,7 @@ class AdvantageStage(Stage):
 
 class TrainStage(Stage):
     """Gradients on train replicas (elastic); reduced and applied by the optimizer owner once per slice
-    of the iteration (`train.minibatches`). Requested only when its slice is released, so the payload's
+    of the iteration (`train.minibatches`). Requested once its slice is the one training, so the payload's
     version is the policy the gradient is taken at."""
 
     name, role = "train", "train"
@@ -353,10 +354,10 @@ class Pipeline:
         slices = self.updater.slices(len(samples))
         slice_of = {samples[j].uid: k for k, r in enumerate(slices) for j in r}
         arrived: list[list[Sample]] = [[] for _ in slices]  # samples at the train stage, per slice
-        pending: set[str] = set()  # train item ids of the released slice not yet in a flushed sum
+        pending: set[str] = set()  # train item ids of the current slice not yet in a flushed sum
         slice_grads: list[GradResult] = []
         trained: set[str] = set()
-        current, released, flush_due = 0, False, False
+        current, closed, flush_due = 0, False, False
         steps: list[dict[str, Any]] = []
 
         def request(sample: Sample, stage: Stage, req: dict[str, Any]) -> None:
@@ -375,7 +376,10 @@ class Pipeline:
                 stage = self.stages[idx]
                 at[sample.uid] = idx
                 if idx == train_idx:
-                    arrived[slice_of[sample.uid]].append(sample)
+                    k = slice_of[sample.uid]
+                    arrived[k].append(sample)
+                    if k == current:  # its slice trains at the current version: stream it now
+                        release(sample)
                     return
                 if stage.role is not None:
                     req = stage.request(sample, self.ctx)
@@ -401,20 +405,22 @@ class Pipeline:
                 stage_last[stage.name] = time.monotonic() - t0
                 idx += 1
 
+        def release(sample: Sample) -> None:
+            req = train_stage.request(sample, self.ctx)  # requested now: at the version it trains on
+            if req is not None:
+                request(sample, train_stage, req)
+                pending.add(f"{sample.uid}/{train_stage.name}")
+
         def advance() -> None:
-            """Release the current slice once all its samples are at the train stage; step once all its
-            train items are in flushed sums; repeat (a slice with nothing to learn steps at once)."""
-            nonlocal current, released, flush_due, slice_grads
+            """Once every sample of the current slice is at the train stage (each was released as it
+            arrived), ask for the sums; once all its train items are in flushed sums, step, and release
+            what has arrived of the next slice; repeat (a slice with nothing to learn steps at once)."""
+            nonlocal current, closed, flush_due, slice_grads
             while current < len(slices):
-                if not released:
+                if not closed:
                     if len(arrived[current]) < len(slices[current]):
                         return
-                    for sample in arrived[current]:  # requested now: at the version they train on
-                        req = train_stage.request(sample, self.ctx)
-                        if req is not None:
-                            request(sample, train_stage, req)
-                            pending.add(f"{sample.uid}/{train_stage.name}")
-                    released, flush_due = True, bool(pending)
+                    closed, flush_due = True, bool(pending)
                 if pending:
                     return
                 version = self.updater.apply(slice_grads, iteration)
@@ -423,7 +429,10 @@ class Pipeline:
                 if version != self.ctx.policy_version:
                     self.ctx.policy_version = version
                     self.session.set_version("train", version)  # a device taking up train loads it
-                current, released, slice_grads = current + 1, False, []
+                current, closed, slice_grads = current + 1, False, []
+                if current < len(slices):
+                    for sample in arrived[current]:
+                        release(sample)
 
         for s in samples:
             enter(s, 0)
@@ -432,7 +441,7 @@ class Pipeline:
             if submit_buf:
                 self.session.submit(submit_buf)
                 submit_buf = []
-            if flush_due:  # every train item of the released slice is submitted: sums may be handed in
+            if flush_due:  # every train item of the current slice is submitted: sums may be handed in
                 self.session.flush(iteration)
                 flush_due = False
             out = self.session.collect()

@@ -29,8 +29,10 @@ class InlineSession:
     """Runs each submitted item at once, the way a device of its role would: rollout answers the sorted
     list for even sample indexes and garbage otherwise; the judge says yes to correct answers."""
 
-    def __init__(self, task, tok) -> None:
+    def __init__(self, task, tok, per_collect: int | None = None) -> None:
         self.task, self.tok = task, tok
+        self.per_collect = per_collect  # results handed back per collect (None: all), as devices trickle
+        self.judged_later: list[int] = []  # per train request: judgments not yet handed back then
         self.results: list[ItemResult] = []
         self.grads: list[GradResult] = []
         self.accumulated: list[str] = []
@@ -53,6 +55,7 @@ class InlineSession:
                 self.results.append(ItemResult(it.id, verdict))
             else:
                 self.accumulated.append(it.id)
+                self.judged_later.append(sum(r.id.endswith("/reward") for r in self.results))
 
     def flush(self, iteration):
         self.flushes += 1
@@ -65,8 +68,9 @@ class InlineSession:
         self.versions.append((role, version))
 
     def collect(self):
-        out = Collected(self.results, self.grads)
-        self.results, self.grads = [], []
+        n = len(self.results) if self.per_collect is None else self.per_collect
+        out = Collected(self.results[:n], self.grads)
+        self.results, self.grads = self.results[n:], []
         return out
 
 
@@ -183,3 +187,18 @@ def test_minibatches_step_once_per_slice_and_release_slices_in_order(setup):
     assert sess.flushes == 3 and sess.versions == [("train", 1), ("train", 2), ("train", 3)]
     assert minibatch_slices(10, 4) == [range(0, 2), range(2, 5), range(5, 8), range(8, 10)]
     assert minibatch_slices(3, 8) == [range(0, 1), range(1, 2), range(2, 3)] and minibatch_slices(0, 2) == []
+
+
+def test_with_one_slice_train_streams_while_rollout_and_judging_go_on(setup):
+    """One optimizer step per iteration: a finished group's train items go out at once, before the last
+    rollout is even judged (the train role overlaps the others, as disaggregated and shiftable need)."""
+    tok, task, cfg = setup
+    ctx = StageContext(tokenizer=tok, task=task, cfg=cfg)
+    sess = InlineSession(task, tok, per_collect=1)
+    stages = [RolloutStage(), GenRMRewardStage(), AdvantageStage(), TrainStage()]
+    pipe = Pipeline(stages, ctx, sess, _Updater(1))
+    samples = pipe.make_samples(0, task.sample(3, seed=1), 4, run_seed=0)
+    pipe.run_iteration(0, samples)
+    assert len(sess.judged_later) == 6  # trainable samples
+    assert sess.judged_later[0] == 8  # the first group went to train with two groups' verdicts to come
+    assert sess.flushes == 1
