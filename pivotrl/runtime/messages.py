@@ -15,8 +15,9 @@ Who sends what:
 
 from __future__ import annotations
 
+import functools
 import types
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, is_dataclass
 from enum import StrEnum
 from typing import Any, Self, Union, get_args, get_origin, get_type_hints
@@ -35,12 +36,24 @@ class ItemState(StrEnum):
     DONE = "done"
 
 
+_PLAIN = (int, float, str, bool, type(None))
+
+
+@functools.cache
+def _field_names(kind: type) -> tuple[str, ...] | None:
+    return tuple(f.name for f in fields(kind)) if is_dataclass(kind) else None
+
+
 def encode(value: Any) -> Any:
     """A message (or any value inside one) as msgpack-safe plain data."""
-    if is_dataclass(value) and not isinstance(value, type):
-        return {f.name: encode(getattr(value, f.name)) for f in fields(value)}
+    kind = type(value)
+    if kind in _PLAIN:
+        return value
+    names = _field_names(kind)
+    if names is not None:
+        return {n: encode(getattr(value, n)) for n in names}
     if isinstance(value, (list, tuple)):
-        return [encode(v) for v in value]
+        return [v if type(v) in _PLAIN else encode(v) for v in value]
     if isinstance(value, Mapping):
         return {k: encode(v) for k, v in value.items()}
     return value
@@ -48,43 +61,70 @@ def encode(value: Any) -> Any:
 
 def decode(hint: Any, value: Any) -> Any:
     """Plain data back into the type `hint` names (dataclasses, lists, tuples, optionals, scalars)."""
+    return _decoder(hint)(value)
+
+
+def _scalar(kind: type, accepted: tuple[type, ...]) -> Callable[[Any], Any]:
+    def check(value: Any) -> Any:
+        if isinstance(value, bool) is not (kind is bool) or not isinstance(value, accepted):
+            raise TypeError(f"expected {kind.__name__}, got {value!r}")
+        return kind(value)
+
+    return check
+
+
+_SCALARS = {int: _scalar(int, (int,)), float: _scalar(float, (int, float)), str: _scalar(str, (str,)),
+            bool: _scalar(bool, (bool,))}
+_EXACT = {int: (int,), float: (float,), str: (str,)}  # the types a scalar list may hold as they are
+
+
+@functools.cache
+def _decoder(hint: Any) -> Callable[[Any], Any]:
+    """The function that decodes a value of type `hint`, built once per type: a sync carries hundreds of
+    tokens, so the type is not re-read per value."""
     origin, args = get_origin(hint), get_args(hint)
     if hint is Any:
-        return value
+        return lambda value: value
     if origin in (Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
         (inner,) = [a for a in args if a is not type(None)]
-        return decode(inner, value)
+        inner_decode = _decoder(inner)
+        return lambda value: None if value is None else inner_decode(value)
     if is_dataclass(hint):
-        return from_wire(hint, value)
+        return lambda value: from_wire(hint, value)
+    if origin in (list, tuple) and args[0] in _EXACT:  # token ids, log-probs, ids: check, do not rebuild
+        exact, item, make = _EXACT[args[0]], _decoder(args[0]), origin
+        return lambda value: (make(value) if all(type(v) in exact for v in value)
+                              else make(item(v) for v in value))
     if origin in (list, tuple):
-        items = [decode(args[0], v) for v in value]
-        return tuple(items) if origin is tuple else items
+        item = _decoder(args[0])
+        if origin is tuple:
+            return lambda value: tuple(item(v) for v in value)
+        return lambda value: [item(v) for v in value]
     if origin in (dict, Mapping) or hint is dict:
-        return dict(value)
-    if hint in (int, float, str):
-        accepted = {int: (int,), float: (int, float), str: (str,)}[hint]
-        if isinstance(value, bool) or not isinstance(value, accepted):
-            raise TypeError(f"expected {hint.__name__}, got {value!r}")
-        return hint(value)
-    if hint is bool:
-        if not isinstance(value, bool):
-            raise TypeError(f"expected a bool, got {value!r}")
-        return value
-    return value
+        return dict
+    if hint in _SCALARS:
+        return _SCALARS[hint]
+    return lambda value: value
+
+
+@functools.cache
+def _fields_of(cls: type) -> tuple[dict[str, Callable[[Any], Any]], frozenset[str]]:
+    """A message class's field decoders and names, resolved once (resolving type hints costs more than
+    decoding a message)."""
+    hints = get_type_hints(cls)
+    names = frozenset(f.name for f in fields(cls) if f.init)
+    return {name: _decoder(hints[name]) for name in names}, names
 
 
 def from_wire(cls: type, data: Mapping[str, Any]) -> Any:
     if not isinstance(data, Mapping):
         raise TypeError(f"{cls.__name__}: expected a mapping, got {type(data).__name__}")
-    hints = get_type_hints(cls)
-    known = {f.name for f in fields(cls) if f.init}
+    decoders, known = _fields_of(cls)
     unknown = set(data) - known
     if unknown:
         raise ValueError(f"{cls.__name__}: unknown field(s) {sorted(unknown)}")
     try:
-        return cls(**{k: decode(hints[k], v) for k, v in data.items()})
+        return cls(**{k: decoders[k](v) for k, v in data.items()})
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"{cls.__name__}: {exc}") from None
 
