@@ -6,48 +6,17 @@ from __future__ import annotations
 import pytest
 
 from pivotrl import grpo
-from pivotrl.config import PipelineConfig, load_config
-from pivotrl.engines.bootstrap import ensure_bootstrap
 from pivotrl.engines.checkpoints import build_tokenizer
 from pivotrl.gps import ParameterStore
 from pivotrl.loop import run_loop
 from pivotrl.pipeline import Pipeline, StageContext, default_stages
 from pivotrl.tasks import get_task
-
-TINY = {
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 1,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
-}
+from tests.tiny import tiny_bootstrap
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    root = tmp_path_factory.mktemp("loop")
-    sets = [
-        f"run.storage_root={root}",
-        "train.sft.steps=40",
-        "reward.sft.steps=2",
-        "train.sft.examples=400",
-        "reward.sft.examples=20",
-        "train.sft.batch_size=16",
-        "reward.sft.batch_size=2",
-        "task.prompts_per_iteration=4",
-        "task.group_size=4",
-        "task.eval_prompts=16",
-        "task.options={max_size: 4}",
-        "rollout.sampling.max_new_tokens=10",
-        "reward.sampling.max_new_tokens=12",
-        "train.micro_batch=5",
-        "train.lr=0.01",
-    ]
-    cfg = load_config(None, PipelineConfig, sets)
-    cfg.train.sft.shape = dict(TINY)
-    cfg.reward.sft.shape = dict(TINY)
-    boot = ensure_bootstrap(cfg, parallel=False, log=lambda *_: None)
-    return cfg, boot
+    return tiny_bootstrap(tmp_path_factory.mktemp("loop"), ["task.eval_prompts=16"])
 
 
 def one_iteration(cfg, boot) -> list:

@@ -20,18 +20,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pivotrl.config import PipelineConfig, load_config
-from pivotrl.engines.bootstrap import ensure_bootstrap
 from pivotrl.engines.checkpoints import load_state_dict
 from pivotrl.pipeline import AdvantageStage, GenRMRewardStage, RolloutStage, Stage, TrainStage
-
-TINY = {
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 1,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
-}
+from tests.tiny import tiny_bootstrap
 
 
 class LengthBonus(Stage):
@@ -50,37 +41,19 @@ def stages() -> list[Stage]:
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    root = tmp_path_factory.mktemp("equiv")
     sets = [
-        f"run.storage_root={root}",
         "run.iterations=1",
         "run.seed=3",
-        "train.sft.steps=40",
-        "reward.sft.steps=2",
-        "train.sft.examples=400",
-        "reward.sft.examples=20",
-        "train.sft.batch_size=16",
-        "reward.sft.batch_size=2",
-        "task.prompts_per_iteration=4",
-        "task.group_size=4",
         "task.eval_prompts=0",
-        "task.options={max_size: 4}",
-        "rollout.sampling.max_new_tokens=10",
-        "reward.sampling.max_new_tokens=12",
         "reward.budget_per_item=2",
         "reward.budget_slack=1",
         "reward.truncated_reward=-1.0",
-        "train.micro_batch=5",
         "train.minibatches=2",
         "train.kl_coef=0.05",
-        "train.lr=0.01",
         "cluster.dashboard_address=null",
         "scheduler.tick_s=0.05",
     ]
-    cfg = load_config(None, PipelineConfig, sets)
-    cfg.train.sft.shape = dict(TINY)
-    cfg.reward.sft.shape = dict(TINY)
-    boot = ensure_bootstrap(cfg, parallel=False, log=lambda *_: None)
+    cfg, boot = tiny_bootstrap(tmp_path_factory.mktemp("equiv"), sets)
     cfg.models.policy.path, cfg.models.genrm.path = str(boot.policy_dir), str(boot.judge_dir)
     return cfg, boot
 

@@ -13,14 +13,7 @@ from pivotrl.engines import bootstrap as bs
 from pivotrl.engines.checkpoints import load_state_dict
 from pivotrl.engines.genrm import JudgeTemplate, parse_verdict
 from pivotrl.tasks import get_task
-
-TINY = {
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 1,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
-}
+from tests.tiny import TINY
 
 
 def tiny_cfg(root, **over) -> PipelineConfig:
