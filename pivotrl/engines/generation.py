@@ -36,6 +36,7 @@ resume that partial sequence on *another* device. This engine does exactly that:
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -51,6 +52,23 @@ from pivotrl.engines.model import CausalLM
 
 FinishReason = Literal["stop", "length", "abort"]
 _MASK32 = 0xFFFFFFFF
+
+
+def _inference(method):
+    """Run an engine method inside `torch.inference_mode`.
+
+    Why every method that touches the engine's tensors needs it: `step()` runs in inference mode, so what it
+    allocates there (a grown KV cache, a wider stop-id table) are inference tensors, and an in-place update
+    of an inference tensor outside inference mode raises. `abort`/`offload` move rows in place, so they must
+    run in the same mode as the step that may have regrown the state.
+    """
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with torch.inference_mode():
+            return method(self, *args, **kwargs)
+
+    return wrapper
 
 
 @dataclass(frozen=True)
@@ -307,6 +325,7 @@ class GenerationEngine(RequestBook):
             return
         self.waiting.append(req)
 
+    @_inference
     def step(self) -> list[GenResult]:
         """Admit, prefill the newcomers, decode one token for the others; return sequences finished now."""
         self._check_live()
@@ -314,16 +333,15 @@ class GenerationEngine(RequestBook):
         if not self.running and not self.waiting:
             return done
         t0 = time.perf_counter()
-        with torch.inference_mode():
-            n_old = len(self.running)
-            admitted = self._admit()
-            parts = []
-            if n_old:
-                parts.append(self._decode(n_old))
-            if admitted:
-                parts.append(self._prefill(n_old, admitted))
-            logits = parts[0] if len(parts) == 1 else torch.cat(parts)
-            done += self._sample_and_finish(logits.float(), n_old)
+        n_old = len(self.running)
+        admitted = self._admit()
+        parts = []
+        if n_old:
+            parts.append(self._decode(n_old))
+        if admitted:
+            parts.append(self._prefill(n_old, admitted))
+        logits = parts[0] if len(parts) == 1 else torch.cat(parts)
+        done += self._sample_and_finish(logits.float(), n_old)
         dt = time.perf_counter() - t0
         rows = logits.shape[0]
         self.busy_time_s += dt
@@ -333,6 +351,7 @@ class GenerationEngine(RequestBook):
             self.samples.append((rows, dt))
         return done
 
+    @_inference
     def abort(self, seq_ids) -> list[GenResult]:
         """Stop these sequences now; return each with what it generated so far (unknown ids ignored)."""
         wanted = set(seq_ids)
@@ -342,6 +361,7 @@ class GenerationEngine(RequestBook):
             out += self._release(rows, ["abort"] * len(rows))
         return out
 
+    @_inference
     def partials(self) -> dict[str, tuple[list[int], list[float]]]:
         """seq_id -> (generated ids, their log-probs) so far, for every running sequence, without stopping
         any: a caller can keep a copy so that a lost device loses only the tokens since (resumed through
@@ -359,6 +379,7 @@ class GenerationEngine(RequestBook):
         if self.packed:
             self.model.repack()
 
+    @_inference
     def offload(self) -> list[GenResult]:
         """Abort all, free the KV cache and weights; returns the partials. The engine is dead after."""
         partials = self.abort([r.req.seq_id for r in self.running] + [w.seq_id for w in self.waiting])
