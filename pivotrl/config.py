@@ -40,6 +40,13 @@ class RunConfig(Section):
         None, gt=0, description="stop starting new iterations after this many seconds of training"
     )
     storage_root: str = "storage"
+    max_staleness: int = Field(
+        0,
+        ge=0,
+        le=2,
+        description="iterations a rollout's policy may lag on-policy (0: on-policy; k: iteration i+1's "
+        "rollouts start on devices iteration i's tail leaves idle, trained k versions late at most)",
+    )
 
 
 class ModelRef(Section):

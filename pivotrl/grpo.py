@@ -14,12 +14,15 @@ import contextlib
 import hashlib
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pivotrl.config import PipelineConfig
 from pivotrl.tasks import Problem, Task
+
+if TYPE_CHECKING:
+    from pivotrl.runtime.messages import Collected
 
 HELD_OUT_SEED = 987_654_321  # never used for training prompts
 
@@ -156,10 +159,14 @@ def evaluate(
     tag: str,
     seed: int,
     timeout_s: float = 900.0,
+    divert: Callable[[Collected], None] | None = None,
 ) -> float:
     """Held-out accuracy (percent) of policy `version`: greedy responses from the rollout role of
-    `session`, checked by the verifier (the verifier only measures; it never rewards)."""
-    from pivotrl.runtime.messages import WorkRequest
+    `session`, checked by the verifier (the verifier only measures; it never rewards).
+
+    Output the session hands back that is not this evaluation's (iterations still in flight, with bounded
+    staleness) goes to `divert`; without one it is an error, never silently dropped."""
+    from pivotrl.runtime.messages import Collected, WorkRequest
 
     s = ctx.cfg.rollout.sampling
     requests = []
@@ -191,11 +198,19 @@ def evaluate(
     session.submit(requests)
     got: dict[str, bool] = {}
     deadline = time.monotonic() + timeout_s
+    mine = {r.id: k for k, r in enumerate(requests)}
     while len(got) < len(requests):
         out = session.collect()
+        other = [res for res in out.results if res.id not in mine]
+        if other or out.grads:
+            if divert is None:
+                stray = other[:1] or out.grads[:1]
+                raise RuntimeError(f"evaluation {tag} collected output of other work: {stray}")
+            divert(Collected(other, list(out.grads)))
         for res in out.results:
-            k = int(res.id.rsplit("-", 1)[1])
-            got[res.id] = bool(ctx.task.verify(problems[k], ctx.decode(list(res.generated))))
+            if res.id in mine:
+                k = mine[res.id]
+                got[res.id] = bool(ctx.task.verify(problems[k], ctx.decode(list(res.generated))))
         if time.monotonic() > deadline:
             raise TimeoutError(f"evaluation of version {version} did not finish in {timeout_s}s")
         if not out.results:

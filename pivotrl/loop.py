@@ -88,8 +88,8 @@ def run_loop(
         initial = evaluate(session, ctx, held, 0, "v0", cfg.run.seed) / 100.0
         result = LoopResult(initial, initial, curve=[(0, 0.0, initial)])
 
-        def measure(it: int) -> float:
-            acc = evaluate(session, ctx, held, ctx.policy_version, f"it{it}", cfg.run.seed)
+        def measure(it: int, divert: Any = None) -> float:
+            acc = evaluate(session, ctx, held, ctx.policy_version, f"it{it}", cfg.run.seed, divert=divert)
             result.final_accuracy = acc / 100.0
             result.curve.append((it + 1, time.monotonic() - t_learn, result.final_accuracy))
             return acc
@@ -108,6 +108,7 @@ def run_loop(
             on_iteration=record,
             evaluate_every=eval_every,
             evaluate_fn=measure if held else None,
+            max_staleness=cfg.run.max_staleness,
         )
         session.close()
         if save_dir is not None:

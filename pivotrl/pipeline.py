@@ -39,7 +39,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pivotrl.grpo import minibatch_slices, response_budget, seq_seed, train_problems
-from pivotrl.runtime.messages import Collected, GradResult, ItemResult, WorkRequest
+from pivotrl.iteration import IterationRun, drive
+from pivotrl.runtime.messages import Collected, GradResult, ItemResult
 from pivotrl.tasks.base import Problem
 
 
@@ -59,6 +60,8 @@ class Sample:
     response_text: str = ""
     reward: float | None = None
     advantage: float | None = None
+    rollout_version: int | None = None  # the policy version its rollout was requested at
+    train_version: int | None = None  # the version its gradient was taken at
     data: dict[str, Any] = field(default_factory=dict)  # what stages add (judge text, verifier result, ...)
 
 
@@ -262,6 +265,7 @@ class IterationResult:
     stage_seconds: dict[str, float]
     version: int = 0  # the policy version after the iteration's optimizer steps
     train_stats: dict[str, Any] = field(default_factory=dict)  # the last step's, plus "steps"
+    staleness: list[int] = field(default_factory=list)  # per trained sample (see `IterationRun.staleness`)
 
 
 class _OneStep:
@@ -338,149 +342,25 @@ class Pipeline:
     def run_iteration(
         self, iteration: int, samples: list[Sample], on_poll: Callable[[Collected], None] | None = None
     ) -> IterationResult:
-        t0 = time.monotonic()
-        by_uid = {s.uid: s for s in samples}
-        at: dict[str, int] = {}  # sample → index of the stage it is in
-        groups: dict[str, list[Sample]] = {}
-        for s in samples:
-            groups.setdefault(s.group, []).append(s)
-        waiting_group: dict[int, dict[str, set[str]]] = {}
-        stage_last: dict[str, float] = {}
-        grads: list[GradResult] = []
-        submit_buf: list[WorkRequest] = []
-        train_idx = len(self.stages) - 1
-        train_stage = self.stages[train_idx]
-        # the optimizer steps of the iteration: slice k's train items go out once slice k-1 is applied
-        slices = self.updater.slices(len(samples))
-        slice_of = {samples[j].uid: k for k, r in enumerate(slices) for j in r}
-        arrived: list[list[Sample]] = [[] for _ in slices]  # samples at the train stage, per slice
-        pending: set[str] = set()  # train item ids of the current slice not yet in a flushed sum
-        slice_grads: list[GradResult] = []
-        trained: set[str] = set()
-        current, closed, flush_due = 0, False, False
-        steps: list[dict[str, Any]] = []
+        """Run one iteration to completion (its optimizer steps included): the on-policy driver."""
+        run = IterationRun(self, iteration, samples)
+        run.start()
+        while not run.done:
+            drive(self.session, [run], self.poll_s, on_poll)
+        return self.result(run)
 
-        def request(sample: Sample, stage: Stage, req: dict[str, Any]) -> None:
-            submit_buf.append(
-                WorkRequest(
-                    id=f"{sample.uid}/{stage.name}",
-                    role=str(stage.role),
-                    iteration=iteration,
-                    group_id=sample.group,
-                    **req,
-                )
-            )
-
-        def enter(sample: Sample, idx: int) -> None:
-            while idx < len(self.stages):
-                stage = self.stages[idx]
-                at[sample.uid] = idx
-                if idx == train_idx:
-                    k = slice_of[sample.uid]
-                    arrived[k].append(sample)
-                    if k == current:  # its slice trains at the current version: stream it now
-                        release(sample)
-                    return
-                if stage.role is not None:
-                    req = stage.request(sample, self.ctx)
-                    if req is None:  # this sample skips the stage
-                        idx += 1
-                        continue
-                    request(sample, stage, req)
-                    return
-                if stage.per_group:
-                    waiting = waiting_group.setdefault(idx, {}).setdefault(sample.group, set())
-                    waiting.add(sample.uid)
-                    members = groups[sample.group]
-                    if len(waiting) < len(members):
-                        return
-                    stage.run(members, self.ctx)
-                    stage_last[stage.name] = time.monotonic() - t0
-                    for m in members:
-                        if m is not sample:
-                            enter(m, idx + 1)
-                    idx += 1
-                    continue
-                stage.run([sample], self.ctx)
-                stage_last[stage.name] = time.monotonic() - t0
-                idx += 1
-
-        def release(sample: Sample) -> None:
-            req = train_stage.request(sample, self.ctx)  # requested now: at the version it trains on
-            if req is not None:
-                request(sample, train_stage, req)
-                pending.add(f"{sample.uid}/{train_stage.name}")
-
-        def advance() -> None:
-            """Once every sample of the current slice is at the train stage (each was released as it
-            arrived), ask for the sums; once all its train items are in flushed sums, step, and release
-            what has arrived of the next slice; repeat (a slice with nothing to learn steps at once)."""
-            nonlocal current, closed, flush_due, slice_grads
-            while current < len(slices):
-                if not closed:
-                    if len(arrived[current]) < len(slices[current]):
-                        return
-                    closed, flush_due = True, bool(pending)
-                if pending:
-                    return
-                version = self.updater.apply(slice_grads, iteration)
-                steps.append(dict(getattr(self.updater, "last_stats", {}) or {}))
-                stage_last["train"] = time.monotonic() - t0
-                if version != self.ctx.policy_version:
-                    self.ctx.policy_version = version
-                    self.session.set_version("train", version)  # a device taking up train loads it
-                current, closed, slice_grads = current + 1, False, []
-                if current < len(slices):
-                    for sample in arrived[current]:
-                        release(sample)
-
-        for s in samples:
-            enter(s, 0)
-        advance()
-        while current < len(slices):
-            if submit_buf:
-                self.session.submit(submit_buf)
-                submit_buf = []
-            if flush_due:  # every train item of the current slice is submitted: sums may be handed in
-                self.session.flush(iteration)
-                flush_due = False
-            out = self.session.collect()
-            for g in out.grads:
-                uids = set(g.items)
-                if uids - pending:
-                    dup = uids & trained
-                    raise RuntimeError(
-                        f"gradient sum over items not awaited: {sorted(uids - pending)[:5]}"
-                        + (f" (trained twice: {sorted(dup)[:5]})" if dup else "")
-                    )
-                pending.difference_update(uids)
-                trained.update(uids)
-                grads.append(g)
-                slice_grads.append(g)
-            for res in out.results:
-                uid, _, stage_name = res.id.rpartition("/")
-                sample = by_uid[uid]
-                idx = at[uid]
-                stage = self.stages[idx]
-                if stage.name != stage_name:
-                    raise RuntimeError(f"result of stage {stage_name} for {uid}, which is at {stage.name}")
-                stage.complete(sample, res, self.ctx)
-                stage_last[stage.name] = time.monotonic() - t0
-                enter(sample, idx + 1)
-            advance()
-            if on_poll is not None:
-                on_poll(out)
-            if current < len(slices) and not (out.results or out.grads or submit_buf):
-                time.sleep(self.poll_s)
-        train_stats = {**(steps[-1] if steps else {}), "steps": float(len(steps))}
+    @staticmethod
+    def result(run: IterationRun) -> IterationResult:
+        train_stats = {**(run.steps[-1] if run.steps else {}), "steps": float(len(run.steps))}
         return IterationResult(
-            iteration,
-            samples,
-            grads,
-            time.monotonic() - t0,
-            stage_last,
-            version=self.ctx.policy_version,
+            run.iteration,
+            run.samples,
+            run.grads,
+            run.seconds,
+            run.stage_last,
+            version=run.ctx.policy_version,
             train_stats=train_stats,
+            staleness=run.staleness(),
         )
 
 
@@ -493,46 +373,101 @@ def run_iterations(
     progress: bool = False,
     on_iteration: Callable[[IterationResult, dict[str, Any]], None] | None = None,
     evaluate_every: int | None = None,
-    evaluate_fn: Callable[[int], float] | None = None,
+    evaluate_fn: Callable[[int, Callable[[Collected], None]], float] | None = None,
+    max_staleness: int = 0,
 ) -> list[dict[str, Any]]:
-    """The per-iteration driver every executor runs: draw the prompts, make the samples, announce the
-    iteration's plan, run it (its optimizer steps included), move the rollout role to the new version,
-    meter it (a progress bar, or one log line per iteration). Returns the meter's rows.
+    """The driver every executor runs: draw each iteration's prompts, make its samples, announce its plan,
+    run it (its optimizer steps included), meter it (a progress bar, or one log line per iteration).
+    Returns the meter's rows.
 
-    `evaluate_fn(iteration)` runs after every `evaluate_every`-th iteration and after the last one (its
-    result lands in the row as `heldout_accuracy`); the time budget counts iterations and evaluations."""
+    With `max_staleness` k > 0 up to k+1 iterations are in flight: core's `StalenessBound` says when the next
+    may start (the one before has finished generating, and it would lag on-policy by at most k) and steps
+    stay in iteration order. An iteration's row is written when it completes; its `seconds` are the time
+    since the previous one completed (the throughput the run sees).
+
+    `evaluate_fn(iteration, divert)` runs after every `evaluate_every`-th iteration and after the last one
+    (its result lands in the row as `heldout_accuracy`), before the next iteration may train, so it measures
+    that iteration's policy; output of iterations still in flight that it collects goes to `divert`. The time
+    budget counts iterations and evaluations."""
+    from pivotrl.core.staleness import InFlight, StalenessBound
     from pivotrl.runtime.metrics import IterationMeter
 
     cfg, session, ctx = pipeline.ctx.cfg, pipeline.session, pipeline.ctx
+    bound = StalenessBound(max_staleness)
     meter = IterationMeter(session, log)
     rows: list[dict[str, Any]] = []
     bar = _progress_bar(iterations) if progress else None
     t_start = time.monotonic()
-    for it in range(iterations):
-        if time_budget_s is not None and it > 0 and time.monotonic() - t_start >= time_budget_s:
-            log(f"run.time_budget_s={time_budget_s:g} reached after {it} iterations; finishing the run")
+    runs: list[IterationRun] = []  # in flight, oldest first
+    started = trained = 0
+    budget_hit = False
+    rollout_spec: int | None = None  # the version devices taking up rollout load (the newest rollouts')
+
+    def rollouts_at(version: int) -> None:
+        nonlocal rollout_spec
+        if version != rollout_spec:
+            session.set_version("rollout", version)
+            rollout_spec = version
+
+    def divert(out: Collected) -> None:  # output of in-flight iterations that an evaluation collected
+        for g in out.grads:
+            raise RuntimeError(f"a gradient sum arrived during evaluation: {list(g.items)[:5]}")
+        for res in out.results:
+            owner = next((run for run in runs if run.owns(res.id)), None)
+            if owner is None:
+                raise RuntimeError(f"result {res.id} belongs to no iteration in flight")
+            owner.on_result(res)
+
+    while True:
+        while started < iterations and not budget_hit:
+            newest_done = not runs or runs[-1].rollouts_left == 0
+            if not bound.may_start(InFlight(started, trained, newest_done)):
+                break
+            if time_budget_s is not None and started > 0 and time.monotonic() - t_start >= time_budget_s:
+                log(f"run.time_budget_s={time_budget_s:g} reached after {started} iterations; finishing")
+                budget_hit = True
+                break
+            problems = train_problems(ctx.task, cfg.task.prompts_per_iteration, cfg.run.seed, started)
+            samples = pipeline.make_samples(started, problems, cfg.task.group_size, cfg.run.seed)
+            session.begin_iteration(meter.iteration_plan(started, samples, cfg))
+            rollouts_at(ctx.policy_version)
+            if not runs:
+                meter.start(started)
+            run = IterationRun(pipeline, started, samples, may_train=bound.may_train(started, trained))
+            run.start()
+            runs.append(run)
+            started += 1
+        if not runs:
             break
-        problems = train_problems(ctx.task, cfg.task.prompts_per_iteration, cfg.run.seed, it)
-        samples = pipeline.make_samples(it, problems, cfg.task.group_size, cfg.run.seed)
-        session.begin_iteration(meter.iteration_plan(it, samples, cfg))
-        meter.start(it)
-        res = pipeline.run_iteration(it, samples, on_poll=meter.poll)
-        session.set_version("rollout", res.version)
-        row = meter.finish(res, res.train_stats, res.version)
-        row["elapsed_s"] = time.monotonic() - t_start
-        last = it == iterations - 1 or (
-            time_budget_s is not None and time.monotonic() - t_start >= time_budget_s
-        )
-        if evaluate_fn is not None and (last or (evaluate_every and (it + 1) % evaluate_every == 0)):
-            row["heldout_accuracy"] = evaluate_fn(it)
-        rows.append(row)
-        if bar is not None:
-            bar.set_postfix_str(meter.postfix(row))
-            bar.update(1)
-        else:
-            log(meter.line(row))
-        if on_iteration is not None:
-            on_iteration(res, row)
+        drive(session, runs, pipeline.poll_s, meter.poll)
+        while runs and runs[0].done:
+            res = pipeline.result(runs.pop(0))
+            trained += 1
+            if not runs:  # nothing generating: devices taking up rollout load the new version now
+                rollouts_at(res.version)
+            row = meter.finish(res, res.train_stats, res.version)
+            if res.staleness:
+                row["staleness_mean"] = sum(res.staleness) / len(res.staleness)
+                row["staleness_max"] = max(res.staleness)
+            row["elapsed_s"] = time.monotonic() - t_start
+            budget_hit = budget_hit or (
+                time_budget_s is not None and time.monotonic() - t_start >= time_budget_s
+            )
+            last = not runs and (trained == iterations or budget_hit)
+            due = evaluate_every and trained % evaluate_every == 0
+            if evaluate_fn is not None and (last or due):
+                row["heldout_accuracy"] = evaluate_fn(res.iteration, divert)
+            rows.append(row)
+            if bar is not None:
+                bar.set_postfix_str(meter.postfix(row))
+                bar.update(1)
+            else:
+                log(meter.line(row))
+            if on_iteration is not None:
+                on_iteration(res, row)
+            if runs:
+                meter.start(runs[0].iteration)
+                runs[0].allow_training()
     if bar is not None:
         bar.close()
     return rows

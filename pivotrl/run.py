@@ -308,8 +308,10 @@ def run_pipeline(
             eval_problems = held_out_problems(task, cfg.task.eval_prompts) if evaluate_policy else []
             t_iterations = time.monotonic()
 
-            def measure(it: int) -> float:
-                acc = evaluate(session, ctx, eval_problems, ctx.policy_version, f"it{it}", cfg.run.seed)
+            def measure(it: int, divert: Any = None) -> float:
+                acc = evaluate(
+                    session, ctx, eval_problems, ctx.policy_version, f"it{it}", cfg.run.seed, divert=divert
+                )
                 result.curve.append(
                     {"iteration": it + 1, "elapsed_s": time.monotonic() - t_iterations, "accuracy": acc}
                 )
@@ -330,6 +332,7 @@ def run_pipeline(
                 on_iteration=on_iteration,
                 evaluate_every=eval_every,
                 evaluate_fn=measure if eval_problems else None,
+                max_staleness=cfg.run.max_staleness,
             )
             if eval_problems:
                 acc1 = result.curve[-1]["accuracy"] if result.iterations else acc0

@@ -110,3 +110,16 @@ def test_seeds_and_prompts_are_functions_of_their_keys():
     assert [p.prompt for p in a] == [p.prompt for p in b]
     held = {p.prompt for p in grpo.held_out_problems(task, 5)}
     assert held != {p.prompt for p in grpo.train_problems(task, 5, 0, 0)}
+
+
+def test_one_stale_iteration_trains_every_sample_once_in_order(setup):
+    """`run.max_staleness: 1` on real engines: the next iteration's rollouts run at the version before the
+    last step, the staleness recorded per iteration is what the versions say, the curve stays complete."""
+    cfg, boot = setup
+    cfg = cfg.model_copy(deep=True)
+    cfg.run.max_staleness = 1
+    res = run_loop(cfg, boot.policy_dir, boot.judge_dir, iterations=3)
+    h = res.history
+    assert [r["iteration"] for r in h] == [0, 1, 2] and [r["version"] for r in h] == [1, 2, 3]
+    assert h[0]["staleness_max"] == 0 and all(r["staleness_max"] == 1 for r in h[1:])
+    assert h[-1]["heldout_accuracy"] is not None and res.curve[-1][0] == 3
