@@ -1,4 +1,5 @@
-"""Deployment paradigms side by side on a real Dask LocalCluster: colocated, disaggregated, shiftable.
+"""Deployment paradigms side by side on a real Dask LocalCluster: colocated, disaggregated, shiftable, and
+shiftable with one iteration of staleness (`run.max_staleness: 1`, key `shiftable_async`).
 
     python -m benchmarks.paradigms --quick --json OUT.json
 
@@ -21,7 +22,10 @@ rounds of that run's per-iteration median. The best static split is chosen on th
 wall time is broken down (engine steps per role, gradient flushes, shifting, idle) from the scheduler's
 accounting, and the load average is recorded, so a reader can tell where a paradigm loses time.
 
-Printed last: `ratio_vs_colocated` and `ratio_vs_best_static` (shiftable ÷ each).
+Printed last: `ratio_vs_colocated` and `ratio_vs_best_static` (on-policy shiftable ÷ each) and
+`ratio_async_vs_colocated` (shiftable with staleness 1 ÷ on-policy colocated, the paper's baseline). With
+staleness an iteration's seconds are the time since the previous one completed, so its tokens/s is the
+throughput the run sees.
 """
 
 from __future__ import annotations
@@ -163,13 +167,17 @@ def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def run_mode(cfg: Any, mode: str, groups: list[list[str]] | None = None) -> dict[str, Any]:
+def run_mode(
+    cfg: Any, mode: str, groups: list[list[str]] | None = None, max_staleness: int = 0
+) -> dict[str, Any]:
     """One run under `mode`; a static grouping is core's `Grouped` policy, chosen by the config exactly as
-    a user's `scheduler.static_groups` is. The result names the policy that decided."""
+    a user's `scheduler.static_groups` is; `max_staleness` is `run.max_staleness`. The result names the
+    policy that decided."""
     from pivotrl.run import run_pipeline
 
+    cfg = cfg.model_copy(deep=True)
+    cfg.run.max_staleness = max_staleness
     if groups is not None:
-        cfg = cfg.model_copy(deep=True)
         cfg.scheduler.static_groups = groups
     res = run_pipeline(
         cfg,
@@ -193,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         choices=["debug", "small"],
         help="default: debug with --quick (the 2-core box is shared), small otherwise",
     )
-    ap.add_argument("--modes", default="colocated,disaggregated,shiftable", help=argparse.SUPPRESS)
+    ap.add_argument("--modes", default="colocated,disaggregated,shiftable,async", help=argparse.SUPPRESS)
     add_override_argument(ap, "scheduler.cooldown_s=3")  # applied to every paradigm
     ap.add_argument("--storage", type=Path, default=Path("storage/bench"))
     ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds over every configuration")
@@ -215,19 +223,21 @@ def main(argv: list[str] | None = None) -> int:
 
         cfg = PipelineConfig.model_validate(apply_overrides(cfg.model_dump(), args.overrides))
     t0 = time.monotonic()
-    configs: list[tuple[str, str, Any]] = []  # (name, mode, groups of a static split)
+    configs: list[tuple[str, str, Any, int]] = []  # (name, mode, groups of a static split, staleness)
     if "colocated" in modes:
-        configs.append(("colocated", "colocated", None))
+        configs.append(("colocated", "colocated", None, 0))
     if "disaggregated" in modes:
-        configs += [(f"static {name}", "disaggregated", groups) for name, groups in GROUPINGS.items()]
+        configs += [(f"static {name}", "disaggregated", groups, 0) for name, groups in GROUPINGS.items()]
     if "shiftable" in modes:
-        configs.append(("shiftable", "shiftable", None))
+        configs.append(("shiftable", "shiftable", None, 0))
+    if "async" in modes:  # shiftable with one iteration of staleness (run.max_staleness: 1)
+        configs.append(("shiftable_async", "shiftable", None, 1))
     load = [os.getloadavg()[0]] if hasattr(os, "getloadavg") else []
-    runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in configs}
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name, *_ in configs}
     for rep in range(args.repeats):
         order = configs[rep % len(configs) :] + configs[: rep % len(configs)]  # rotate: no fixed slot
-        for name, mode, groups in order:
-            r = run_mode(cfg, mode, groups)
+        for name, mode, groups, staleness in order:
+            r = run_mode(cfg, mode, groups, staleness)
             runs[name].append(r)
             if load:
                 load.append(os.getloadavg()[0])
@@ -263,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
         out["modes"]["disaggregated"] = {**static[best], "split": best, "all_splits": static}
     if "shiftable" in runs:
         out["modes"]["shiftable"] = combine(runs["shiftable"])
+    if "shiftable_async" in runs:
+        out["modes"]["shiftable_async"] = combine(runs["shiftable_async"])
     print()
     for mode, r in out["modes"].items():
         print(
@@ -305,6 +317,10 @@ def main(argv: list[str] | None = None) -> int:
     out["best_static_split"] = best
     out["ratio_vs_colocated"] = sh / out["modes"]["colocated"]["tokens_per_s_per_device"]
     out["ratio_vs_best_static"] = sh / out["modes"]["disaggregated"]["tokens_per_s_per_device"]
+    if "shiftable_async" in out["modes"]:  # against on-policy colocated, the paper's baseline
+        asy = out["modes"]["shiftable_async"]["tokens_per_s_per_device"]
+        out["ratio_async_vs_colocated"] = asy / out["modes"]["colocated"]["tokens_per_s_per_device"]
+        out["ratio_async_vs_shiftable"] = asy / sh
     out["wall_s"] = time.monotonic() - t0
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -316,6 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"ratio_vs_colocated   {out['ratio_vs_colocated']:.3f}")
     print(f"ratio_vs_best_static {out['ratio_vs_best_static']:.3f}")
+    if "ratio_async_vs_colocated" in out:
+        print(f"ratio_async_vs_colocated {out['ratio_async_vs_colocated']:.3f}")
     return 0
 
 
