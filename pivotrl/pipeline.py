@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pivotrl.grpo import minibatch_slices, response_budget, seq_seed, train_problems
-from pivotrl.iteration import IterationRun, drive
+from pivotrl.iteration_run import IterationRun, drive
 from pivotrl.runtime.messages import Collected, GradResult, ItemResult
 from pivotrl.tasks.base import Problem
 
