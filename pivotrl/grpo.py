@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pivotrl import faults
 from pivotrl.config import PipelineConfig
 from pivotrl.tasks import Problem, Task
 
@@ -108,6 +109,7 @@ class PolicyUpdater:
         self.name = cfg.models.policy.name
         self.trainer = make_trainer(cfg, model, pad_id)
         self.last_stats: dict[str, Any] = {}
+        self.first_step_at: float | None = None  # monotonic time of the first optimizer step (resume cost)
 
     @classmethod
     def load(cls, cfg: PipelineConfig, policy_dir: str | Path, gps: Any) -> PolicyUpdater:
@@ -128,6 +130,7 @@ class PolicyUpdater:
     def publish(self) -> int:
         v = self.version
         self.gps.publish(self.name, v, self.model.state_dict())
+        faults.point("publish")
         self.gps.flush()  # replicas may be other processes: the version must be readable from a shared tier
         return v
 
@@ -136,10 +139,13 @@ class PolicyUpdater:
         returns the policy version after it (unchanged when nothing was learnt or the step was skipped)."""
         from pivotrl.engines.trainer import GradSum, reduce
 
+        if self.first_step_at is None:
+            self.first_step_at = time.monotonic()
         if not grads:  # no sample of the slice had a response to learn from
             self.last_stats = {"skipped": 1.0}
             return self.version
         sums = [GradSum(grads=self.gps.fetch(g.model, int(g.version)), **g.stats.as_kwargs()) for g in grads]
+        faults.point("optimizer_step")
         stats = self.trainer.apply(reduce(sums))
         self.last_stats = stats.as_dict()
         self.last_stats["replica_sums"] = len(sums)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from pivotrl import faults
 from pivotrl.runtime.messages import Collected, GradResult, ItemResult, WorkRequest
 
 # The pipeline's `Pipeline`, `Sample` and `Stage` (not imported: pipeline imports this module).
@@ -225,6 +226,8 @@ def drive(session: Any, runs: list[IterationRun], poll_s: float, on_poll=None) -
         if run.take_flush():
             session.flush(run.iteration)
     out = session.collect()
+    if out.results or out.grads:
+        faults.point("collect")  # inside an iteration: some of its work has come back
     for g in out.grads:
         if g.items:
             owner = next((run for run in runs if run.owns(g.items[0])), None)

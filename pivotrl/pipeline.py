@@ -375,6 +375,7 @@ def run_iterations(
     evaluate_every: int | None = None,
     evaluate_fn: Callable[[int, Callable[[Collected], None]], float] | None = None,
     max_staleness: int = 0,
+    first_iteration: int = 0,
 ) -> list[dict[str, Any]]:
     """The driver every executor runs: draw each iteration's prompts, make its samples, announce its plan,
     run it (its optimizer steps included), meter it (a progress bar, or one log line per iteration).
@@ -388,7 +389,8 @@ def run_iterations(
     `evaluate_fn(iteration, divert)` runs after every `evaluate_every`-th iteration and after the last one
     (its result lands in the row as `heldout_accuracy`), before the next iteration may train, so it measures
     that iteration's policy; output of iterations still in flight that it collects goes to `divert`. The time
-    budget counts iterations and evaluations."""
+    budget counts iterations and evaluations. A resumed run starts at `first_iteration` (the iterations
+    before it have trained; `iterations` is the run's total)."""
     from pivotrl.core.staleness import InFlight, StalenessBound
     from pivotrl.runtime.metrics import IterationMeter
 
@@ -396,10 +398,10 @@ def run_iterations(
     bound = StalenessBound(max_staleness)
     meter = IterationMeter(session, log)
     rows: list[dict[str, Any]] = []
-    bar = _progress_bar(iterations) if progress else None
+    bar = _progress_bar(iterations, first_iteration) if progress else None
     t_start = time.monotonic()
     runs: list[IterationRun] = []  # in flight, oldest first
-    started = trained = 0
+    started = trained = first_iteration
     budget_hit = False
     rollout_spec: int | None = None  # the version devices taking up rollout load (the newest rollouts')
 
@@ -423,7 +425,8 @@ def run_iterations(
             newest_done = not runs or runs[-1].rollouts_left == 0
             if not bound.may_start(InFlight(started, trained, newest_done)):
                 break
-            if time_budget_s is not None and started > 0 and time.monotonic() - t_start >= time_budget_s:
+            over = time_budget_s is not None and time.monotonic() - t_start >= time_budget_s
+            if over and started > first_iteration:
                 log(f"run.time_budget_s={time_budget_s:g} reached after {started} iterations; finishing")
                 budget_hit = True
                 break
@@ -473,7 +476,7 @@ def run_iterations(
     return rows
 
 
-def _progress_bar(total: int) -> Any:
+def _progress_bar(total: int, done: int = 0) -> Any:
     from tqdm import tqdm
 
-    return tqdm(total=total, desc="iterations", unit="it", dynamic_ncols=True)
+    return tqdm(total=total, initial=done, desc="iterations", unit="it", dynamic_ncols=True)

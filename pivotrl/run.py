@@ -192,19 +192,28 @@ def policy_description(controller: Any) -> dict[str, Any]:
 # ----------------------------------------------------------------------------------------------------
 
 
+HOST_TIER_PREFIX = "pivotrl-"
+
+
 @contextlib.contextmanager
-def host_tier(path: str | None, run_id: str) -> Iterator[str | None]:
-    """A node-local fast GPS tier (/dev/shm when present), removed when the run ends."""
-    if path is None and os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
-        path = f"/dev/shm/pivotrl-{run_id}"
-        owned = True
-    else:
-        owned = False
-    try:
+def host_tier(path: str | None, run_id: str, log: Callable[[str], None] = print) -> Iterator[str | None]:
+    """A node-local fast GPS tier (/dev/shm when present), removed when the run ends. Its lease tells the
+    next run on the node that it is live; tiers of dead runs (killed before they could remove theirs) are
+    reclaimed here, this run's own stale one (a resumed run's) included."""
+    from pivotrl import lease
+
+    if path is not None or not (os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK)):
         yield path
+        return
+    shm = Path("/dev/shm")
+    for gone in lease.reclaim_dead(shm, HOST_TIER_PREFIX):
+        log(f"reclaimed the host tier of a dead run: {gone}")
+    own = shm / f"{HOST_TIER_PREFIX}{run_id}"
+    try:
+        with lease.held(own, "host tier"):
+            yield str(own)
     finally:
-        if owned and path:
-            shutil.rmtree(path, ignore_errors=True)
+        shutil.rmtree(own, ignore_errors=True)
 
 
 def new_run_id(cfg: PipelineConfig, mode: str) -> str:
@@ -225,11 +234,16 @@ def run_pipeline(
     controller: Any = None,
     eval_every: int | None = None,
     on_iteration: Callable[[Any, dict[str, Any]], None] | None = None,
+    resume: str | None = None,
 ) -> RunResult:
     """Run `cfg` end to end (see the module docstring). `controller` (a `pivotrl.core.Controller`)
     overrides the one `mode` selects. Held-out accuracy is measured before and after the run, and after
     every `eval_every`-th iteration when given (`RunResult.curve`). `on_iteration(IterationResult, row)`
-    sees every iteration's samples and metrics row."""
+    sees every iteration's samples and metrics row.
+
+    A checkpoint is committed after every iteration (`pivotrl.checkpoint`); `resume` (a run id, or
+    `latest`) continues that run at the iteration after its last checkpoint."""
+    from pivotrl import checkpoint, lease
     from pivotrl.gps import ParameterStore
     from pivotrl.grpo import PolicyUpdater, evaluate, held_out_problems
     from pivotrl.malloc import keep_freed_memory
@@ -243,114 +257,145 @@ def run_pipeline(
 
     mode = mode or cfg.scheduler.mode
     t_start = time.monotonic()
-    run_id = new_run_id(cfg, mode)
-    run_dir = Path(cfg.run.storage_root) / "runs" / run_id
-    run_dir.mkdir(parents=True, exist_ok=True)
-    paths = resolve_models(cfg, log)
-    task = get_task(cfg.task.name, cfg.task.options)
-    tokenizer = load_tokenizer(paths["policy"])
-    ctx = StageContext(tokenizer=tokenizer, task=task, cfg=cfg)
-    result = RunResult(run_id, run_dir)
+    resumed = checkpoint.resume_point(cfg, resume) if resume is not None else None
+    if resumed is not None:
+        run_id, run_dir = resumed.ckpt.run_id, resumed.run_dir
+        log(resumed.describe(cfg.run.iterations))  # the first line a resumed run prints
+    else:
+        run_id = new_run_id(cfg, mode)
+        run_dir = Path(cfg.run.storage_root) / "runs" / run_id
+    cfg_json = cfg.model_dump(mode="json")
+    with lease.held(run_dir, "run directory"):  # one live driver per run
+        paths = resolve_models(cfg, log)
+        task = get_task(cfg.task.name, cfg.task.options)
+        tokenizer = load_tokenizer(paths["policy"])
+        ctx = StageContext(tokenizer=tokenizer, task=task, cfg=cfg)
+        result = RunResult(run_id, run_dir)
 
-    gps_root = cfg.gps.root or str(run_dir / "gps")
-    with (
-        host_tier(cfg.gps.host_tier, run_id) as host,
-        ParameterStore(gps_root, host_tier=host, device_tier_bytes=0) as gps,
-    ):
-        owner = PolicyUpdater.load(cfg, paths["policy"], gps)
-        owner.publish()  # version 0 of the policy
-        gps.pin(cfg.models.policy.name, 0)  # the KL reference and the baseline: never garbage-collected
-        from pivotrl.engines.checkpoints import load_state_dict as load_hf
+        gps_root = cfg.gps.root or str(run_dir / "gps")
+        with (
+            host_tier(cfg.gps.host_tier, run_id, log) as host,
+            ParameterStore(gps_root, host_tier=host, device_tier_bytes=0) as gps,
+        ):
+            owner = PolicyUpdater.load(cfg, paths["policy"], gps)
+            if resumed is None:
+                owner.publish()  # version 0 of the policy
+                gps.pin(cfg.models.policy.name, 0)  # the KL reference and the baseline: never GC'd
+                from pivotrl.engines.checkpoints import load_state_dict as load_hf
 
-        gps.publish(cfg.models.genrm.name, 0, load_hf(paths["genrm"]))
-        gps.flush()
-        gps_opts = {
-            "root": os.path.abspath(gps_root),
-            "host_tier": host,
-            "device_tier_bytes": cfg.gps.device_tier_bytes,
-        }
-        cl = cfg.cluster
-        with open_cluster(
-            workers=workers or cl.workers,
-            scheduler=scheduler or cl.scheduler,
-            host=cl.host,
-            dashboard_address=cl.dashboard_address,
-        ) as handle:
-            n_dev = len(handle.device_workers())
-            result.devices = n_dev
-            if handle.dashboard_link:
-                log(f"dashboard: {handle.dashboard_link}  (pivotrl page: /pivotrl)")
-            if controller is None:
-                controller = build_controller(cfg, mode, n_dev, log)
-            result.policy = policy_description(controller)
-            session = RuntimeSession.install(
-                handle.client,
-                controller=controller,
-                role_specs=worker_role_specs(cfg, paths, run_id),
-                worker_options={
-                    "torch_threads": cl.torch_threads,
-                    "device": handle.device,
-                    "gps": gps_opts,
-                    "storage_root": os.path.abspath(cfg.run.storage_root),
-                },
-                tick_s=cfg.scheduler.tick_s,
-            )
-            with contextlib.suppress(Exception):
-                from pivotrl.runtime.dashboard import register_dashboard
-
-                register_dashboard(handle.client)
-            log(
-                f"run {run_id}: mode={mode}, {n_dev} device workers, {cfg.run.iterations} iterations, "
-                f"{cfg.task.prompts_per_iteration}×{cfg.task.group_size} samples/iteration, "
-                f"{cfg.train.minibatches} optimizer step(s)/iteration"
-            )
-            pipeline = Pipeline(stages or default_stages(), ctx, session, owner)
-            eval_problems = held_out_problems(task, cfg.task.eval_prompts) if evaluate_policy else []
-            t_iterations = time.monotonic()
-
-            def measure(it: int, divert: Any = None) -> float:
-                acc = evaluate(
-                    session, ctx, eval_problems, ctx.policy_version, f"it{it}", cfg.run.seed, divert=divert
+                gps.publish(cfg.models.genrm.name, 0, load_hf(paths["genrm"]))
+                gps.flush()
+            else:
+                resumed.restore(owner, gps)
+                ctx.policy_version = owner.version
+            gps_opts = {
+                "root": os.path.abspath(gps_root),
+                "host_tier": host,
+                "device_tier_bytes": cfg.gps.device_tier_bytes,
+            }
+            cl = cfg.cluster
+            with open_cluster(
+                workers=workers or cl.workers,
+                scheduler=scheduler or cl.scheduler,
+                host=cl.host,
+                dashboard_address=cl.dashboard_address,
+            ) as handle:
+                n_dev = len(handle.device_workers())
+                result.devices = n_dev
+                if handle.dashboard_link:
+                    log(f"dashboard: {handle.dashboard_link}  (pivotrl page: /pivotrl)")
+                if controller is None:
+                    controller = build_controller(cfg, mode, n_dev, log)
+                result.policy = policy_description(controller)
+                session = RuntimeSession.install(
+                    handle.client,
+                    controller=controller,
+                    role_specs=worker_role_specs(cfg, paths, run_id),
+                    worker_options={
+                        "torch_threads": cl.torch_threads,
+                        "device": handle.device,
+                        "gps": gps_opts,
+                        "storage_root": os.path.abspath(cfg.run.storage_root),
+                    },
+                    tick_s=cfg.scheduler.tick_s,
                 )
-                result.curve.append(
-                    {"iteration": it + 1, "elapsed_s": time.monotonic() - t_iterations, "accuracy": acc}
-                )
-                return acc
+                with contextlib.suppress(Exception):
+                    from pivotrl.runtime.dashboard import register_dashboard
 
-            if eval_problems:
-                acc0 = evaluate(session, ctx, eval_problems, 0, "v0", cfg.run.seed)
-                result.eval["accuracy_before"] = acc0
-                result.curve.append({"iteration": 0, "elapsed_s": 0.0, "accuracy": acc0})
-                log(f"held-out accuracy of version 0: {acc0:.1f}%")
-            t_iterations = time.monotonic()  # the budget counts learning, not the baseline measurement
-            result.iterations = run_iterations(
-                pipeline,
-                iterations=cfg.run.iterations,
-                time_budget_s=cfg.run.time_budget_s,
-                log=log,
-                progress=progress,
-                on_iteration=on_iteration,
-                evaluate_every=eval_every,
-                evaluate_fn=measure if eval_problems else None,
-                max_staleness=cfg.run.max_staleness,
-            )
-            if eval_problems:
-                acc1 = result.curve[-1]["accuracy"] if result.iterations else acc0
-                result.eval["accuracy_after"] = acc1
-                result.eval["accuracy_gain_points"] = acc1 - result.eval["accuracy_before"]
+                    register_dashboard(handle.client)
                 log(
-                    f"held-out accuracy of version {ctx.policy_version}: {acc1:.1f}% "
-                    f"({result.eval['accuracy_gain_points']:+.1f} points)"
+                    f"run {run_id}: mode={mode}, {n_dev} device workers, {cfg.run.iterations} iterations, "
+                    f"{cfg.task.prompts_per_iteration}×{cfg.task.group_size} samples/iteration, "
+                    f"{cfg.train.minibatches} optimizer step(s)/iteration"
                 )
-            m = session.metrics()
-            result.timeline, result.events = m["timeline"], m["events"]
-            result.shifts = [e for e in m["events"] if e["kind"] == "shift_done" and e.get("src")]
-        if save_final:
-            from pivotrl.engines.checkpoints import save_hf
+                pipeline = Pipeline(stages or default_stages(), ctx, session, owner)
+                eval_problems = held_out_problems(task, cfg.task.eval_prompts) if evaluate_policy else []
+                t_iterations = time.monotonic()
+                done_before = 0 if resumed is None else resumed.ckpt.iterations_done
+                if resumed is not None:  # metrics and the learning curve continue the checkpoint's
+                    result.iterations = list(resumed.ckpt.rows)
+                    result.curve, result.eval = list(resumed.ckpt.curve), dict(resumed.ckpt.eval)
+                elapsed0 = result.curve[-1]["elapsed_s"] if result.curve else 0.0
+                pinned = [None if resumed is None else resumed.ckpt.policy_version]
 
-            result.final_policy = save_hf(
-                owner.model, owner.model.config, tokenizer, run_dir / "policy-final"
-            )
-    result.wall_s = time.monotonic() - t_start
-    write_metrics(result, run_dir / "metrics.zarr")
-    return result
+                def measure(it: int, divert: Any = None) -> float:
+                    version, seed = ctx.policy_version, cfg.run.seed
+                    acc = evaluate(session, ctx, eval_problems, version, f"it{it}", seed, divert=divert)
+                    elapsed = elapsed0 + time.monotonic() - t_iterations
+                    result.curve.append({"iteration": it + 1, "elapsed_s": elapsed, "accuracy": acc})
+                    return acc
+
+                def commit(res: Any, row: dict[str, Any]) -> None:
+                    """Checkpoint after every iteration, then the caller's hook."""
+                    result.iterations.append(row)
+                    ckpt = checkpoint.RunCheckpoint(
+                        run_id, res.iteration + 1, owner.version, cfg_json, result.iterations, result.curve,
+                        result.eval,
+                    )
+                    checkpoint.commit(run_dir, ckpt, owner, gps, pinned[0])
+                    pinned[0] = owner.version
+                    if on_iteration is not None:
+                        on_iteration(res, row)
+
+                if eval_problems and "accuracy_before" not in result.eval:
+                    acc0 = evaluate(session, ctx, eval_problems, 0, "v0", cfg.run.seed)
+                    result.eval["accuracy_before"] = acc0
+                    result.curve.append({"iteration": 0, "elapsed_s": 0.0, "accuracy": acc0})
+                    log(f"held-out accuracy of version 0: {acc0:.1f}%")
+                acc0 = result.eval.get("accuracy_before", float("nan"))
+                t_iterations = time.monotonic()  # the budget counts learning, not the baseline measurement
+                run_iterations(
+                    pipeline,
+                    iterations=cfg.run.iterations,
+                    time_budget_s=cfg.run.time_budget_s,
+                    log=log,
+                    progress=progress,
+                    on_iteration=commit,
+                    evaluate_every=eval_every,
+                    evaluate_fn=measure if eval_problems else None,
+                    max_staleness=cfg.run.max_staleness,
+                    first_iteration=done_before,
+                )
+                if resumed is not None and owner.first_step_at is not None:
+                    log(f"resume overhead: {owner.first_step_at - t_start:.2f}s from loading the checkpoint "
+                        "to the first optimizer step")
+                if eval_problems:
+                    acc1 = result.curve[-1]["accuracy"] if result.iterations else acc0
+                    result.eval["accuracy_after"] = acc1
+                    result.eval["accuracy_gain_points"] = acc1 - result.eval["accuracy_before"]
+                    log(
+                        f"held-out accuracy of version {ctx.policy_version}: {acc1:.1f}% "
+                        f"({result.eval['accuracy_gain_points']:+.1f} points)"
+                    )
+                m = session.metrics()
+                result.timeline, result.events = m["timeline"], m["events"]
+                result.shifts = [e for e in m["events"] if e["kind"] == "shift_done" and e.get("src")]
+            if save_final:
+                from pivotrl.engines.checkpoints import save_hf
+
+                result.final_policy = save_hf(
+                    owner.model, owner.model.config, tokenizer, run_dir / "policy-final"
+                )
+        result.wall_s = time.monotonic() - t_start
+        write_metrics(result, run_dir / "metrics.zarr")
+        return result

@@ -29,6 +29,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--scheduler", metavar="ADDR", help="connect to an existing Dask scheduler, tcp://host:port"
     )
     add_override_argument(parser, "train.lr=1e-4")
+    parser.add_argument(
+        "--resume",
+        nargs="?",
+        const="latest",
+        metavar="RUN_ID",
+        help="continue a run from its last checkpoint: a run id under run.storage_root/runs, or latest",
+    )
     parser.add_argument("--no-eval", action="store_true", help="skip the held-out accuracy evaluation")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -63,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
         log=log,
         progress=not args.quiet,
         evaluate_policy=not args.no_eval,
+        resume=args.resume,
     )
     shifts = res.shifts
     log(

@@ -564,6 +564,21 @@ class ParameterStore:
         self.sweep(model)
         return doomed
 
+    def discard_newer(self, model: str, version: int) -> list[int]:
+        """Delete every version of `model` newer than `version` in every tier; returns those deleted.
+
+        For a resumed run: versions its dead driver published after its last checkpoint are referenced by
+        nothing, and the resumed run publishes those numbers again (versions are immutable)."""
+        validate_model_name(model)
+        self.flush()
+        doomed = [v for v in self.versions(model) if v > version]
+        for v in doomed:
+            self.device_tier.drop((model, v))
+            for _, backend in reversed(self._tiers()):
+                self._retire(backend, model, v)
+        self.sweep(model)
+        return doomed
+
     def _retire(self, backend: Backend, model: str, version: int) -> None:
         path = backend.join(model, version_dir(version))
         if backend.exists(path):

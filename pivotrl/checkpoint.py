@@ -1,0 +1,266 @@
+"""Run checkpoints: what `pivotrl-pipeline submit --resume` continues from.
+
+Why: a driver that dies (OOM, preemption, SIGKILL) must not lose the run. After every completed iteration
+the driver commits a checkpoint of everything the next iteration depends on and that is not already durable
+elsewhere: the optimizer owner's state (weights, AdamW moments, version; `trainer.pt`), the next iteration
+to run (the data position: prompts are a function of (seed, iteration)), the metrics rows and learning curve
+so far, and the config the run was started with. Policy versions themselves live in the parameter store.
+
+A checkpoint is a directory written in full under a temporary name, fsynced, renamed into place, and then
+named by `LATEST` (itself replaced atomically): a kill at any moment leaves either the previous checkpoint
+or the new one, never a torn one. The two newest are kept.
+
+Resuming refuses a config that changes what is trained (models, task, data, sampling, judge, optimizer,
+seed) with one line naming the first changed field; run length, cluster, scheduler, tiers and engine
+capacities may change.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pivotrl import faults
+from pivotrl.errors import UserError
+
+CHECKPOINTS = "checkpoints"
+LATEST = "LATEST"
+KEEP = 2
+
+# Config fields a resumed run may change: how long it runs, where and how it is scheduled, what is
+# measured. Everything else decides what is trained and must match the checkpoint.
+MAY_CHANGE = (
+    "run.name",
+    "run.storage_root",
+    "run.iterations",
+    "run.time_budget_s",
+    "run.max_staleness",
+    "cluster",
+    "scheduler",
+    "gps.host_tier",
+    "gps.device_tier_bytes",
+    "gps.keep_last",
+    "rollout.engine",
+    "reward.engine",
+    "task.eval_prompts",
+)
+
+
+@dataclass
+class RunCheckpoint:
+    """The driver's state after `iterations_done` iterations (the next to run is that number)."""
+
+    run_id: str
+    iterations_done: int
+    policy_version: int
+    config: dict[str, Any]
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    curve: list[dict[str, float]] = field(default_factory=list)
+    eval: dict[str, float] = field(default_factory=dict)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def save(run_dir: Path, ckpt: RunCheckpoint, trainer_state: dict[str, Any]) -> Path:
+    """Commit `ckpt` (and the optimizer owner's `trainer_state`) atomically; returns its directory."""
+    import torch
+
+    root = Path(run_dir) / CHECKPOINTS
+    root.mkdir(parents=True, exist_ok=True)
+    name = f"{ckpt.iterations_done:06d}"
+    tmp = root / f".tmp-{name}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    torch.save(trainer_state, tmp / "trainer.pt")
+    with open(tmp / "trainer.pt", "rb+") as f:
+        os.fsync(f.fileno())
+    faults.point("checkpoint")
+    _write(tmp / "state.json", json.dumps(asdict(ckpt), default=_json_default).encode())
+    _fsync_dir(tmp)
+    final = root / name
+    if final.exists():  # the same iteration committed by an earlier attempt that died before LATEST
+        shutil.rmtree(final)
+    tmp.rename(final)
+    _fsync_dir(root)
+    pointer = root / f".{LATEST}-{uuid.uuid4().hex[:8]}"
+    _write(pointer, name.encode())
+    pointer.replace(root / LATEST)
+    _fsync_dir(root)
+    _prune(root, keep=name)
+    return final
+
+
+def _prune(root: Path, keep: str) -> None:
+    """Drop all but the `KEEP` newest checkpoints (never `keep`) and temporaries of dead writers (the run
+    directory's lease makes this the only writer)."""
+    done = sorted(p.name for p in root.iterdir() if p.is_dir() and p.name.isdigit())
+    for name in done[:-KEEP]:
+        if name != keep:
+            shutil.rmtree(root / name, ignore_errors=True)
+    for p in root.iterdir():
+        if p.name.startswith(".tmp-"):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _json_default(obj: Any) -> Any:
+    if hasattr(obj, "item"):
+        return obj.item()
+    raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
+
+
+def latest(run_dir: Path) -> Path | None:
+    """The committed checkpoint `LATEST` names, or None when the run never completed an iteration."""
+    pointer = Path(run_dir) / CHECKPOINTS / LATEST
+    if not pointer.is_file():
+        return None
+    name = pointer.read_text().strip()
+    path = pointer.parent / name
+    if not name.isdigit() or not (path / "state.json").is_file():
+        raise UserError(f"{pointer}: names checkpoint {name!r}, which is not there")
+    return path
+
+
+def load(path: Path) -> tuple[RunCheckpoint, dict[str, Any]]:
+    """The checkpoint at `path` and its trainer state."""
+    import torch
+
+    try:
+        state = json.loads((path / "state.json").read_text())
+        ckpt = RunCheckpoint(**state)
+        trainer_state = torch.load(path / "trainer.pt", map_location="cpu", weights_only=False)
+    except (OSError, ValueError, TypeError, RuntimeError) as exc:
+        raise UserError(f"{path}: unreadable checkpoint ({type(exc).__name__}: {exc})") from None
+    return ckpt, trainer_state
+
+
+def find_run(storage_root: str | Path, spec: str) -> Path:
+    """The run directory `--resume SPEC` names: a run id under `storage_root/runs`, or `latest` (the
+    newest run there that has a checkpoint)."""
+    runs = Path(storage_root) / "runs"
+    if spec != "latest":
+        if "/" in spec or spec in ("", ".", "..") or "\x00" in spec:
+            raise UserError(f"--resume {spec!r}: not a run id")
+        path = runs / spec
+        if not path.is_dir():
+            raise UserError(f"--resume {spec}: no run {spec} under {runs}")
+        return path
+    candidates = [p for p in runs.iterdir() if (p / CHECKPOINTS / LATEST).is_file()] if runs.is_dir() else []
+    if not candidates:
+        raise UserError(f"--resume latest: no run with a checkpoint under {runs}")
+    return max(candidates, key=lambda p: (p / CHECKPOINTS / LATEST).stat().st_mtime)
+
+
+def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(d, dict):
+        out: dict[str, Any] = {}
+        for k, v in d.items():
+            out.update(_flat(v, f"{prefix}{k}."))
+        return out or {prefix[:-1]: {}}
+    return {prefix[:-1]: d}
+
+
+def changed_field(saved: dict[str, Any], now: dict[str, Any]) -> tuple[str, Any, Any] | None:
+    """The first config field (dotted) that differs between the checkpoint's config and this run's and
+    that a resumed run may not change, with both values; None when the run may resume."""
+    a, b = _flat(saved), _flat(now)
+    for key in sorted(set(a) | set(b)):
+        if any(key == m or key.startswith(m + ".") for m in MAY_CHANGE):
+            continue
+        if a.get(key) != b.get(key):
+            return key, a.get(key), b.get(key)
+    return None
+
+
+def check_resumable(saved: dict[str, Any], now: dict[str, Any]) -> None:
+    diff = changed_field(saved, now)
+    if diff is not None:
+        key, old, new = diff
+        raise UserError(
+            f"--resume: {key} changed since the checkpoint ({old!r} -> {new!r}); it changes what is "
+            "trained, so start a new run instead"
+        )
+
+
+@dataclass
+class Resumed:
+    """A run to continue: its directory, its last checkpoint and the optimizer owner's state there."""
+
+    run_dir: Path
+    path: Path
+    ckpt: RunCheckpoint
+    trainer_state: dict[str, Any]
+
+    def describe(self, iterations: int) -> str:
+        c = self.ckpt
+        return (
+            f"resuming run {c.run_id} at iteration {c.iterations_done} of {iterations} "
+            f"(policy version {c.policy_version}, checkpoint {self.path})"
+        )
+
+    def restore(self, owner: Any, gps: Any) -> None:
+        """Put the optimizer owner back where the checkpoint left it and make the store agree: versions a
+        dead driver published after the checkpoint are discarded (they are published again), and the
+        checkpoint's own version is republished if it never became durable."""
+        import random
+
+        import numpy as np
+        import torch
+
+        owner.trainer.load_state_dict(self.trainer_state["trainer"])
+        rng = self.trainer_state.get("rng")
+        if rng:
+            torch.set_rng_state(rng["torch"])
+            random.setstate(rng["python"])
+            np.random.set_state(rng["numpy"])
+        name, v = owner.name, self.ckpt.policy_version
+        if owner.version != v:
+            raise UserError(f"{self.path}: trainer state is at version {owner.version}, checkpoint says {v}")
+        gps.discard_newer(name, v)
+        if v not in gps.versions(name):
+            owner.publish()
+
+
+def resume_point(cfg: Any, spec: str) -> Resumed:
+    """The run `--resume SPEC` names, checked against `cfg` (one line naming a field it may not change)."""
+    run_dir = find_run(cfg.run.storage_root, spec)
+    path = latest(run_dir)
+    if path is None:
+        raise UserError(f"--resume: run {run_dir.name} has no checkpoint (no iteration completed)")
+    ckpt, trainer_state = load(path)
+    check_resumable(ckpt.config, cfg.model_dump(mode="json"))
+    return Resumed(run_dir, path, ckpt, trainer_state)
+
+
+def commit(run_dir: Path, ckpt: RunCheckpoint, owner: Any, gps: Any, previous_version: int | None) -> Path:
+    """Checkpoint the run after an iteration: the optimizer owner's state and RNGs with `ckpt`. The
+    checkpoint's policy version is pinned in the store (its weights must outlive version GC) and the
+    previous checkpoint's unpinned (version 0 stays pinned: the KL reference)."""
+    import random
+
+    import numpy as np
+    import torch
+
+    gps.flush()  # the version the checkpoint names is durable before the checkpoint is
+    gps.pin(owner.name, ckpt.policy_version)
+    rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    path = save(run_dir, ckpt, {"trainer": owner.trainer.state_dict(), "rng": rng})
+    if previous_version not in (None, 0, ckpt.policy_version):
+        gps.unpin(owner.name, int(previous_version))
+    return path
