@@ -453,6 +453,8 @@ def run_iterations(
                 row["staleness_mean"] = sum(res.staleness) / len(res.staleness)
                 row["staleness_max"] = max(res.staleness)
             row["elapsed_s"] = time.monotonic() - t_start
+            if hasattr(session, "report"):
+                session.report(_report(res, row, ctx))
             budget_hit = budget_hit or (
                 time_budget_s is not None and time.monotonic() - t_start >= time_budget_s
             )
@@ -474,6 +476,19 @@ def run_iterations(
     if bar is not None:
         bar.close()
     return rows
+
+
+def _report(res: IterationResult, row: dict[str, Any], ctx: StageContext) -> Any:
+    from pivotrl.runtime.messages import IterationReport
+
+    return IterationReport(
+        iteration=res.iteration,
+        seconds=float(row["seconds"]),
+        reward_mean=float(row["reward_mean"]),
+        policy_version=int(res.version),
+        judged=int(ctx.counters.get("judged", 0)),
+        unparseable=int(ctx.counters.get("unparsed", 0)),
+    )
 
 
 def _progress_bar(total: int, done: int = 0) -> Any:

@@ -108,9 +108,8 @@ def test_a_live_lease_is_refused_and_a_dead_ones_directory_reclaimed(tmp_path):
     holder = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
-        with pytest.raises(UserError, match="in use by a live process"):
-            with lease.held(live, "tier"):
-                pass
+        with pytest.raises(UserError, match="in use by a live process"), lease.held(live, "tier"):
+            pass
         assert lease.reclaim_dead(tmp_path, "tier-") == [dead]
         assert live.is_dir() and not dead.exists()
     finally:

@@ -86,6 +86,9 @@ class LocalSession:
     def begin_iteration(self, plan: IterationPlan) -> None:
         self.plans.append(plan)  # one device serves every role: there is nothing to plan
 
+    def report(self, report: Any) -> None:
+        """No scheduler to export metrics from: one process, watched through its own log."""
+
     def set_version(self, role: str, version: int) -> None:
         """The version a context of `role` is built at; items name the version they need themselves."""
         self.role_specs[role]["version"] = int(version)

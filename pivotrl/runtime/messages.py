@@ -233,6 +233,18 @@ class Collected(Wire):
     state: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class IterationReport(Wire):
+    """What the driver tells the scheduler after each iteration, for the `/metrics` exporter."""
+
+    iteration: int
+    seconds: float
+    reward_mean: float
+    policy_version: int
+    judged: int = 0
+    unparseable: int = 0
+
+
 # ----------------------------------------------------------------------------------------------------
 # Role host ↔ scheduler
 # ----------------------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from typing import Any
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from pivotrl.core import Controller, IterationPlan
-from pivotrl.runtime.messages import SyncReply, SyncReport, WorkRequest
+from pivotrl.runtime.messages import IterationReport, SyncReply, SyncReport, WorkRequest
 from pivotrl.runtime.orchestrator import Orchestrator
 
 logger = logging.getLogger(__name__)
@@ -50,16 +50,19 @@ class PivotSchedulerPlugin(SchedulerPlugin):
         self._t0 = time.monotonic()
         self._last_tick = -1e9
         self._event_tick_pending = False
+        self._exporter: Any = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state.pop("scheduler", None)
         state.pop("_task", None)
+        state.pop("_exporter", None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._task = None
+        self._exporter = None
 
     # -- lifecycle ------------------------------------------------------------------------------------
     async def start(self, scheduler: Any) -> None:
@@ -81,13 +84,21 @@ class PivotSchedulerPlugin(SchedulerPlugin):
             "pivotrl_state": self.handle_state,
             "pivotrl_metrics": self.handle_metrics,
             "pivotrl_items": self.handle_items,
+            "pivotrl_report": self.handle_report,
         })
+        from pivotrl.runtime import prometheus
+
+        self._exporter = prometheus.register(self.orch)  # pivotrl_* on the dashboard's /metrics
         for addr, ws in scheduler.workers.items():
             self.orch.join(addr, str(ws.name), self.now())
         self.tick()
         self._task = asyncio.create_task(self._ticker())
 
     async def close(self) -> None:
+        from pivotrl.runtime import prometheus
+
+        prometheus.unregister(self._exporter)
+        self._exporter = None
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -183,6 +194,10 @@ class PivotSchedulerPlugin(SchedulerPlugin):
 
     def handle_items(self, ids: list[str]) -> dict[str, dict[str, Any]]:
         return self.orch.items(list(ids))
+
+    def handle_report(self, report: dict[str, Any]) -> None:
+        if self._exporter is not None:
+            self._exporter.report = IterationReport.from_wire(report)
 
     def handle_metrics(self) -> dict[str, Any]:
         return {"timeline": list(self.orch.timeline), "events": list(self.orch.events)}

@@ -11,7 +11,7 @@ import uuid
 from typing import Any
 
 from pivotrl.core import Controller, IterationPlan
-from pivotrl.runtime.messages import Collected, WorkRequest
+from pivotrl.runtime.messages import Collected, IterationReport, WorkRequest
 from pivotrl.runtime.scheduler_plugin import PivotSchedulerPlugin
 from pivotrl.runtime.worker_plugin import PivotWorkerPlugin
 
@@ -73,6 +73,10 @@ class RuntimeSession:
 
     def set_version(self, role: str, version: int) -> None:
         self._call("pivotrl_set_version", role=role, version=version)
+
+    def report(self, report: IterationReport) -> None:
+        """The driver's view of an iteration, for the scheduler's `/metrics` exporter."""
+        self._call("pivotrl_report", report=report.to_wire())
 
     def wait_ready(
         self, n_workers: int, timeout_s: float = 120.0, roles: dict[str, str] | None = None

@@ -1,0 +1,22 @@
+"""Kill-and-resume end to end (slow): the driver SIGKILLed at named fault points and at random moments, each
+time resumed with `submit --resume latest`; the final run trains every iteration once and ends with a
+policy bit-identical to an uninterrupted run's (`--workers 1`)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+
+@pytest.mark.slow
+def test_kill_and_resume_ends_bit_identical(tmp_path):
+    from benchmarks import resume
+
+    out = tmp_path / "resume.json"
+    rc = resume.main(["--quick", "--storage", str(tmp_path / "bench"), "--json", str(out), "--seed", "1"])
+    r = json.loads(out.read_text())
+    assert rc == 0 and r["resumed_ok"]
+    assert r["kills"] >= 5
+    assert r["iterations_repeated"] == 0 and r["iterations_skipped"] == 0
+    assert r["final_policy_bit_identical"], r["final_policy_max_abs_diff"]
