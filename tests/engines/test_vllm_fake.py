@@ -17,29 +17,9 @@ import pytest
 
 from pivotrl.engines.generation import GenRequest, SamplingParams
 from pivotrl.errors import UserError
+from tests.engines.conftest import FAKE
 
-FAKE = Path(__file__).parent / "fake_vllm"
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=24, stop_ids=())
-
-
-def _drop_vllm_modules() -> None:
-    for name in [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]:
-        del sys.modules[name]
-
-
-@pytest.fixture
-def fake_vllm(monkeypatch):
-    _drop_vllm_modules()
-    monkeypatch.syspath_prepend(str(FAKE))
-    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "unset-by-test")
-    monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD")
-    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
-    import vllm
-
-    assert vllm.__version__.endswith("+fake")
-    yield vllm
-    vllm.LIVE_ENGINES.clear()
-    _drop_vllm_modules()
 
 
 @pytest.fixture
