@@ -5,9 +5,20 @@ runtime should not care which one a device runs. This wrapper keeps the same con
 `abort` returning partials, resume from `generated_ids`, `stats`, `load_state_dict`, `offload` — plus
 vLLM's `sleep`/`wake_up` for parking a device without tearing the engine down.
 
-**Untested on CPU**: vLLM cannot be installed on the CPU-only development machine; this module is written
-against vLLM's v1 `LLM`/`LLMEngine` API and its tests skip when vllm is absent. Importing this module never
-imports vllm; constructing `VLLMEngine` without vllm raises `VLLMUnavailable` with a one-line fix.
+**Never run against real vLLM here**: vLLM cannot be installed on the CPU-only development machine. The
+module is written against vLLM's v1 `LLM`/`LLMEngine` API (>= 0.10.1, see pyproject.toml) and CI drives it
+against a fake `vllm` (tests/engines/fake_vllm) that enforces the rules that broke it before: no start under
+a daemonic parent process (a Dask worker is one unless `distributed.worker.daemon` is False), `collective_rpc`
+takes a worker-extension method *name* and msgpack-native arguments only, `sleep(level)` / `wake_up(tags)`.
+Importing this module never imports vllm; constructing `VLLMEngine` without vllm raises `VLLMUnavailable`.
+
+Rules it follows so that it can run inside a Dask worker:
+* EngineCore is started with `spawn` (`VLLM_WORKER_MULTIPROC_METHOD`), never `fork`: a fork after CUDA (or
+  dask-cuda's driver context) is initialised breaks CUDA in the child.
+* Weights are pushed through the worker extension `pivotrl.engines.vllm_worker.WeightLoader` in bounded
+  chunks of raw bytes: no pickled function, no file in /dev/shm.
+* `sleep`/`wake_up` let a device keep the engine resident across shifts (the runtime parks it), so a shift
+  back costs a wake-up and a weight push instead of a rebuild (process spawn, load, compile, graph capture).
 
 Semantics that differ from the compact engine (documented, not hidden):
 * Sampling noise comes from vLLM's per-request generator. A resumed request is seeded with
@@ -21,8 +32,8 @@ Semantics that differ from the compact engine (documented, not hidden):
 
 from __future__ import annotations
 
+import multiprocessing
 import os
-import tempfile
 import time
 import zlib
 from collections import deque
@@ -31,9 +42,17 @@ from pathlib import Path
 from typing import Any
 
 from pivotrl.engines.generation import FinishReason, GenRequest, GenResult, RequestBook
+from pivotrl.engines.vllm_worker import LOAD_METHOD, WORKER_EXTENSION, wire_chunks
 from pivotrl.errors import UserError
 
 INSTALL_HINT = "vllm is not installed: pip install 'pivotrl[gpu]' on a machine with a CUDA GPU"
+WAKE_TAGS = frozenset({"weights", "kv_cache", "scheduling"})  # vLLM's CuMemAllocator tags (+ the scheduler)
+DAEMON_HINT = (
+    "vllm: this process is daemonic (a Dask worker by default) and vLLM starts its engine core as a child "
+    "process, which daemonic processes may not have; start the workers with "
+    "DASK_DISTRIBUTED__WORKER__DAEMON=False (pivotrl's LocalCUDACluster does), or set "
+    "VLLM_ENABLE_V1_MULTIPROCESSING=0 for an in-process engine"
+)
 
 
 class VLLMUnavailable(UserError, ImportError):
@@ -62,14 +81,11 @@ class _Track:
     logprobs: list[float] = field(default_factory=list)
 
 
-def _load_weights_on_worker(worker, path: str) -> int:
-    """Runs inside each vLLM worker (via `collective_rpc`): load a safetensors file into its model."""
-    from safetensors.torch import load_file
-
-    state = load_file(path, device="cpu")
-    model = worker.model_runner.model
-    model.load_weights(weights=iter(state.items()))
-    return len(state)
+def check_process_may_start_vllm() -> None:
+    """Fail with the fix, before vLLM fails with an assertion deep in its start-up (v1 multiprocess mode)."""
+    in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0"
+    if multiprocessing.current_process().daemon and not in_process:
+        raise UserError(DAEMON_HINT)
 
 
 class VLLMEngine(RequestBook):
@@ -92,6 +108,13 @@ class VLLMEngine(RequestBook):
         vllm = import_vllm()
         if kv_budget_tokens < 1 or max_batch < 1:
             raise ValueError("kv_budget_tokens and max_batch must be >= 1")
+        if not 0.0 < gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization={gpu_memory_utilization}: expected a fraction in (0, 1]"
+            )
+        check_process_may_start_vllm()
+        # spawn, not fork: this process may already hold a CUDA context (torch's, or dask-cuda's own)
+        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         self._vllm = vllm
         self.model_path = str(model_path)
         self.kv_budget_tokens = kv_budget_tokens
@@ -105,6 +128,7 @@ class VLLMEngine(RequestBook):
             enable_sleep_mode=enable_sleep_mode,
             seed=seed,
             skip_tokenizer_init=True,
+            worker_extension_cls=WORKER_EXTENSION,
         )
         if max_seq_len is not None:
             kwargs["max_model_len"] = max_seq_len
@@ -115,7 +139,8 @@ class VLLMEngine(RequestBook):
         self.running: dict[str, _Track] = {}
         self.waiting: deque[GenRequest] = deque()
         self.reserved_tokens = 0
-        self.sleeping = False
+        self.released: set[str] = set()  # memory tags given back by sleep() and not woken since
+        self.weights_dropped = False  # sleep(level=2): the weights must be pushed before the next step
         self._ready: list[GenResult] = []
         self.tokens_generated = 0
         self.busy_time_s = 0.0
@@ -142,8 +167,10 @@ class VLLMEngine(RequestBook):
 
     def step(self) -> list[GenResult]:
         self._check_live()
-        if self.sleeping:
-            raise RuntimeError("engine is asleep; call wake_up() first")
+        if self.sleeping or self.weights_dropped:
+            raise RuntimeError(
+                "engine is asleep (or its weights were dropped); wake_up() / load_state_dict()"
+            )
         done, self._ready = self._ready, []
         self._admit()
         if not self.running:
@@ -182,52 +209,70 @@ class VLLMEngine(RequestBook):
             out += [self._finish(s, "abort") for s in ids]
         return out
 
-    def load_state_dict(self, state_dict) -> None:
-        """Push new weights (HF names) into every vLLM worker, via a safetensors file and `collective_rpc`."""
-        from safetensors.torch import save_file
-
+    def load_state_dict(self, state_dict, chunk_bytes: int | None = None) -> int:
+        """Push new weights (HF names) into every vLLM worker through the worker extension, in chunks of raw
+        bytes (no file, no pickled code); returns the number of tensors sent. Drops stale prefix-cache
+        entries: versions change only once the context has drained, so a refused reset is a bug."""
         self._check_live()
-        tensors = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
-        if getattr(self.engine.model_config.hf_config, "tie_word_embeddings", False):
-            tensors.pop("lm_head.weight", None)
-        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        with tempfile.TemporaryDirectory(dir=shm) as tmp:
-            path = os.path.join(tmp, "weights.safetensors")
-            save_file(tensors, path)
-            self.load_weights_from(path)
-
-    def load_weights_from(self, path: str | Path) -> None:
-        """Load a safetensors file every worker can read (same node); drops stale prefix-cache entries."""
-        self.llm.collective_rpc(_load_weights_on_worker, args=(str(path),))
-        self.llm.reset_prefix_cache()
+        if "weights" in self.released:  # the weights' memory must be mapped again before it is written
+            self.wake_up(["weights"])
+        tied = getattr(self.engine.model_config.hf_config, "tie_word_embeddings", False)
+        skip = ("lm_head.weight",) if tied else ()
+        sent = 0
+        kw = {} if chunk_bytes is None else {"chunk_bytes": chunk_bytes}
+        for chunk in wire_chunks(state_dict, skip=skip, **kw):
+            self.llm.collective_rpc(LOAD_METHOD, args=(chunk,))
+            sent += len(chunk)
+        self.weights_dropped = False
+        if self.llm.reset_prefix_cache() is False:
+            raise RuntimeError("vLLM refused to reset its prefix cache (requests still running)")
+        return sent
 
     def sleep(self, level: int = 1) -> list[GenResult]:
-        """Abort everything and park the engine (level 1: weights to CPU; level 2: weights dropped)."""
-        partials = self.abort([*self.running, *(w.seq_id for w in self.waiting)])
+        """Abort everything and park the engine (level 1: weights to host memory; level 2: weights dropped,
+        so `load_state_dict` must run before the next step); returns the partials."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level {level}: vLLM has levels 1 and 2")
+        self._check_live()
+        partials = self.abort([*self.running, *(w.seq_id for w in self.waiting)]) + self._ready
+        self._ready = []
         self.llm.sleep(level=level)
-        self.sleeping = True
+        self.released, self.weights_dropped = {"weights", "kv_cache"}, level == 2
         return partials
 
     def wake_up(self, tags: list[str] | None = None) -> None:
+        """Map the memory of `tags` again (None: all). Weights dropped at level 2 need `load_state_dict`."""
+        if tags is not None and not set(tags) <= WAKE_TAGS:
+            raise ValueError(f"wake_up tags {sorted(set(tags) - WAKE_TAGS)}: vLLM knows {sorted(WAKE_TAGS)}")
+        self._check_live()
         self.llm.wake_up(tags)
-        self.sleeping = not (tags is None or set(tags) >= {"weights", "kv_cache"})
+        self.released -= WAKE_TAGS if tags is None else set(tags)
+
+    @property
+    def sleeping(self) -> bool:
+        return bool(self.released)
 
     def offload(self) -> list[GenResult]:
-        """Abort all, tear the vLLM engine down and free its GPU memory; returns the partials."""
+        """Abort all, shut the vLLM engine down and free its GPU memory; returns the partials.
+
+        The engine core is shut down explicitly rather than left to a garbage-collector finaliser: memory
+        freed late trips the next engine's start-up memory check."""
+        if self.llm is None:
+            return []
         partials = self.abort([*self.running, *(w.seq_id for w in self.waiting)]) + self._ready
         self._ready = []
+        core = getattr(self.engine, "engine_core", None)
+        shutdown = getattr(core, "shutdown", None)
+        if callable(shutdown):
+            shutdown()
         del self.engine
         self.llm = None
         import gc
 
         gc.collect()
-        try:
-            import torch
+        from pivotrl.engines.device_memory import free_cuda_cache
 
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-        except ImportError:  # pragma: no cover - torch is a hard dependency
-            pass
+        free_cuda_cache()
         return partials
 
     def stats(self) -> dict:
@@ -273,11 +318,11 @@ class VLLMEngine(RequestBook):
             if self.running and self.reserved_tokens + need > self.kv_budget_tokens:
                 break
             self.waiting.popleft()
-            self.reserved_tokens += need
-            track = _Track(req, need, list(req.generated_ids), list(req.logprobs))
-            self.running[req.seq_id] = track
             prompt = {"prompt_token_ids": list(req.prompt_ids) + list(req.generated_ids)}
+            # booked only once vLLM took it: a phantom entry would make every later step() block forever
             self.engine.add_request(req.seq_id, prompt, self.sampling_params(req))
+            self.reserved_tokens += need
+            self.running[req.seq_id] = _Track(req, need, list(req.generated_ids), list(req.logprobs))
 
     def _finish(self, seq_id: str, reason: FinishReason) -> GenResult:
         track = self.running.pop(seq_id)

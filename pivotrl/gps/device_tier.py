@@ -1,8 +1,10 @@
 """The device tier: an in-process LRU of fetched versions, bounded in bytes, on one torch device.
 
 On a GPU worker the cached tensors live in GPU memory, so a rollout engine swapping back to a version it
-saw before pays a device-to-device copy instead of a read from disk. Entries being persisted by write-behind
-are held (never evicted) until the persistent tier has them, because they are the only copy.
+saw before pays a device-to-device copy instead of a read from disk. That memory is part of the worker's
+one GPU budget (`pivotrl.engines.gpu_budget`: vLLM's share is computed with the tier's capacity kept out),
+and a version the tier would refuse is never copied to its device (`admits`). Entries being persisted by
+write-behind are held (never evicted) until the persistent tier has them, because they are the only copy.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ class _Entry:
     nbytes: int = field(default=0)
 
 
-def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
+def nbytes_of(tensors: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
@@ -46,6 +48,15 @@ class DeviceTier:
         with self._lock:
             return list(self._lru)
 
+    def admits(self, nbytes: int, key: Key | None = None) -> bool:
+        """Would `nbytes` more under `key` stay cached? Asked *before* copying a version to the tier's device:
+        on a GPU a version copied there and then refused is a second copy of it in GPU memory, outside
+        every engine's budget, until the allocator frees it."""
+        with self._lock:
+            held = sum(e.nbytes for k, e in self._lru.items() if e.held and k != key)
+            mine = self._lru[key].nbytes if key in self._lru else 0
+        return nbytes > 0 and mine + nbytes + held <= self.capacity
+
     def get(self, key: Key, names: list[str] | None) -> dict[str, torch.Tensor] | None:
         """The cached tensors (shared, not copied) when all requested names are cached, else None."""
         with self._lock:
@@ -62,7 +73,7 @@ class DeviceTier:
         self, key: Key, tensors: dict[str, torch.Tensor], all_names: list[str] | None, *, held: bool = False
     ) -> bool:
         """Add (or merge into) an entry; evicts least-recently used unheld entries to stay within capacity."""
-        size = _nbytes(tensors)
+        size = nbytes_of(tensors)
         with self._lock:
             e = self._lru.get(key)
             if e is None:
@@ -73,7 +84,7 @@ class DeviceTier:
             if all_names is not None:
                 e.names = list(all_names)
             e.held = e.held or held
-            e.nbytes = _nbytes(e.tensors)
+            e.nbytes = nbytes_of(e.tensors)
             self._lru.move_to_end(key)
             self._evict()
             return key in self._lru

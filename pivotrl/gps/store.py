@@ -31,7 +31,7 @@ import torch
 
 from pivotrl.gps import layout
 from pivotrl.gps.backend import Backend, LocalBackend, make_backend
-from pivotrl.gps.device_tier import DeviceTier
+from pivotrl.gps.device_tier import DeviceTier, nbytes_of
 from pivotrl.gps.errors import IntegrityError, NotFoundError, VersionExistsError, WriteBehindError
 from pivotrl.gps.manifest import (
     Manifest,
@@ -289,7 +289,8 @@ class ParameterStore:
         manifest = self._snapshot_manifest(model, version, snapshot)
         with self._lock:
             self._pending[key] = (snapshot, manifest)
-        if self.device_tier.capacity > 0:
+        tier = self.device_tier  # held even over capacity, but never copied to a device it overflows
+        if tier.capacity > 0 and (tier.device.type == "cpu" or nbytes_of(snapshot) <= tier.capacity):
             self.device_tier.put(key, self._to_tier_device(snapshot), manifest.names, held=True)
         hashes = {t.name: t.xxh3 for t in manifest.tensors}
         fut = self._bg.submit(self._persist_behind, model, version, snapshot, hashes, manifest)
@@ -425,7 +426,7 @@ class ParameterStore:
         if hit is not None:
             return self._deliver(hit, device, copy)
         tensors, man = self._read_through(model, v, wanted)
-        if self.device_tier.capacity > 0:
+        if self.device_tier.capacity > 0 and self.device_tier.admits(nbytes_of(tensors), key):
             cached = self._to_tier_device(tensors)
             if copy and cached is tensors:
                 cached = packed_clone(tensors)

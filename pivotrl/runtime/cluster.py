@@ -2,9 +2,14 @@
 
 - CPU: a `LocalCluster` of N worker processes, one thread each, every worker carrying the abstract resource
   `device=1`; the worker plugin pins each to its own core and sets torch's thread count.
-- GPU: a `LocalCUDACluster` (one worker per GPU) when CUDA and the optional `dask_cuda` are present.
+- GPU: a `LocalCUDACluster` (one worker per GPU) when CUDA and the optional `dask_cuda` are present. Its
+  workers are started non-daemonic (`distributed.worker.daemon: False`), because vLLM starts its engine core
+  as a child process, which a daemonic process may not have; and on the GPUs the parent may use (its
+  `CUDA_VISIBLE_DEVICES` is left to dask-cuda, which rotates it per worker, rather than replaced by 0..n-1).
 - Remote: `--scheduler tcp://host:port` connects to a cluster someone else started (`dask scheduler` /
-  `dask worker --resources device=1`), which pivotrl never closes.
+  `dask worker --resources device=1`, or on GPUs `DASK_DISTRIBUTED__WORKER__DAEMON=False dask cuda worker
+  ... --resources device=1`), which pivotrl never closes. The workers are asked for their device
+  (`probe_device`); the driver's own device never decides theirs (`pivotrl.core.devices.choose_device`).
 
 The scheduler binds 127.0.0.1 unless told otherwise, so a laptop run is not reachable from the network.
 """
@@ -17,7 +22,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from pivotrl.core.devices import DeviceMismatch, WorkerDevice, choose_device
 from pivotrl.errors import UserError
+
+NON_DAEMONIC = {"distributed.worker.daemon": False}
 
 
 def default_workers() -> int:
@@ -70,9 +78,11 @@ def _local_cpu(n_workers: int, host: str, dashboard_address: str | None) -> Any:
 
 
 def _local_cuda(n_workers: int | None, host: str, dashboard_address: str | None) -> Any:
+    """A LocalCUDACluster; call it under `dask.config.set(NON_DAEMONIC)` (its nanny reads the flag each
+    time it starts a worker process, restarts included, so the setting must outlive this call)."""
     try:
         from dask_cuda import LocalCUDACluster
-    except ImportError as exc:  # pragma: no cover - GPU only
+    except ImportError as exc:
         raise UserError("cluster: GPUs found but dask_cuda is missing; install the `gpu` extra") from exc
     kwargs: dict[str, Any] = dict(
         threads_per_worker=1,
@@ -81,9 +91,34 @@ def _local_cuda(n_workers: int | None, host: str, dashboard_address: str | None)
         dashboard_address=dashboard_address,
         memory_limit=0,
     )
-    if n_workers is not None:
-        kwargs["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(n_workers))
-    return LocalCUDACluster(**kwargs)  # pragma: no cover - GPU only
+    if n_workers is not None:  # the first n of the GPUs the parent may use, not physical 0..n-1
+        kwargs["n_workers"] = n_workers
+    return LocalCUDACluster(**kwargs)
+
+
+def probe_device(dask_worker: Any = None) -> WorkerDevice:
+    """Run on a worker (`client.run` passes the worker as `dask_worker`): what this worker's torch sees."""
+    address = str(getattr(dask_worker, "address", "local"))
+    try:
+        import torch
+
+        cuda = bool(torch.cuda.is_available())
+        count = torch.cuda.device_count() if cuda else 0
+        names = tuple(torch.cuda.get_device_name(i) for i in range(count))
+    except ImportError:
+        cuda, count, names = False, 0, ()
+    return WorkerDevice(address, cuda, count, names, os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+
+def discover_device(client: Any, requested: str) -> str:
+    """Ask every worker for its device and decide one kind for all (a clear error on a mixed cluster)."""
+    if requested == "cpu":
+        return "cpu"
+    reports = list(client.run(probe_device).values())
+    try:
+        return choose_device(requested, reports)
+    except DeviceMismatch as exc:
+        raise UserError(f"cluster: {exc}") from None
 
 
 @contextlib.contextmanager
@@ -109,19 +144,23 @@ def open_cluster(
         try:
             if workers:
                 client.wait_for_workers(workers, timeout=timeout_s)
-            yield ClusterHandle(client, None, "cuda" if device == "cuda" else "cpu")
+            yield ClusterHandle(client, None, discover_device(client, device))
         finally:
             client.close()
         return
 
     use_cuda = device == "cuda" or (device == "auto" and cuda_available())
-    if use_cuda:  # pragma: no cover - GPU only
-        cluster = _local_cuda(workers, host, dashboard_address)
-    else:
-        cluster = _local_cpu(workers or default_workers(), host, dashboard_address)
-    client = Client(cluster)
-    try:
-        yield ClusterHandle(client, cluster, "cuda" if use_cuda else "cpu")
-    finally:
-        client.close()
-        cluster.close()
+    with contextlib.ExitStack() as stack:
+        if use_cuda:
+            import dask
+
+            stack.enter_context(dask.config.set(NON_DAEMONIC))
+            cluster = _local_cuda(workers, host, dashboard_address)
+        else:
+            cluster = _local_cpu(workers or default_workers(), host, dashboard_address)
+        client = Client(cluster)
+        try:
+            yield ClusterHandle(client, cluster, "cuda" if use_cuda else "cpu")
+        finally:
+            client.close()
+            cluster.close()

@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from pivotrl.core.types import ShiftTimings
 from pivotrl.runtime.messages import (
@@ -112,6 +112,16 @@ class RoleContext(Protocol):
     def flush(self) -> GradResult | None:
         """Train: publish the local gradient sum and hand in its reference (None when there is none).
         `worker` and `seconds` are filled in by the host."""
+
+
+@runtime_checkable
+class Resident(Protocol):
+    """Optional hooks of a context resident at a fraction of its memory (vLLM's sleep mode): `park` as the
+    device leaves the role; `unpark` before it serves it again (True if it woke something up)."""
+
+    def park(self) -> None: ...
+
+    def unpark(self, env: WorkerEnv) -> bool: ...
 
 
 SendSync = Callable[[SyncReport], "Future[SyncReply]"]
@@ -316,6 +326,8 @@ class RoleHost:
             old = self._parked.pop(role, None)
             if old is not None and old is not ctx:
                 old.offload()
+            if isinstance(ctx, Resident):
+                ctx.park()
             self._parked[role] = ctx
         else:
             ctx.offload()
@@ -351,11 +363,13 @@ class RoleHost:
             self._parked.clear()
         offload_s = time.perf_counter() - t
         fetch_s = load_s = 0.0
-        ctx = None
-        warm = False
+        ctx, warm = None, False
         if cmd.role is not None:
             ctx = self._unpark(cmd.role, cmd.spec)
             warm = ctx is not None
+            t = time.perf_counter()
+            if isinstance(ctx, Resident) and ctx.unpark(self.env):  # a wake-up: this shift's load
+                load_s = time.perf_counter() - t
             want = cmd.spec.get("version")
             if ctx is None or want is None or ctx.version != int(want):
                 if ctx is None:
@@ -369,7 +383,7 @@ class RoleHost:
                 else:
                     ctx.load(self.env, state)
                 del state
-                load_s = time.perf_counter() - t
+                load_s += time.perf_counter() - t
         self.ctx, self.role = ctx, cmd.role
         self._reported.clear()
         timings = ShiftTimings(abort=abort_s, offload=offload_s, fetch=fetch_s, load=load_s, warm=warm)

@@ -18,12 +18,30 @@ judge): both are token generation.
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
 import torch
 
+from pivotrl.engines.device_memory import free_cuda_cache
 from pivotrl.runtime.messages import GradResult, GradStats, ItemResult, Partial, StepSample, WorkItem
+
+
+def available_host_bytes() -> int:
+    """Host memory available now (what a level-1 vLLM sleep copies the weights into): MemAvailable, which
+    counts reclaimable page cache, else the free pages."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 0
 
 
 def _build_model(spec: dict[str, Any], device: str, state: dict[str, torch.Tensor]) -> Any:
@@ -55,10 +73,15 @@ class _Weights:
         self.version = spec.get("version")
 
     def fetch(self, env: Any, version: int | None) -> dict[str, torch.Tensor]:
+        """Read-only tensors (`copy=False`: the device tier's own, when it has them): `load_state_dict`
+        copies anyway, and a second copy of a version on the GPU is memory outside any engine's budget."""
         want = "latest" if version is None else int(version)
-        sd = env.gps.fetch(self.spec["model"], want, device=env.device)
+        sd = env.gps.fetch(self.spec["model"], want, device=self.fetch_device(env), copy=False)
         self.version = env.gps.latest(self.spec["model"]) if version is None else int(version)
         return sd
+
+    def fetch_device(self, env: Any) -> str:
+        return env.device
 
 
 class GenerationContext(_Weights):
@@ -69,18 +92,33 @@ class GenerationContext(_Weights):
         self.engine: Any = None
         self.max_batch = int(spec.get("max_batch", 64))
         self.live: set[str] = set()  # ids added and not yet finished or aborted
+        self.vllm = self.spec.get("backend", "torch") == "vllm"
+        self.device = "cpu"
+        self.budget: Any = None  # vLLM: the `gpu_budget.Budget` it was started with
+        self.weights_bytes = 0
+
+    def fetch_device(self, env: Any) -> str:
+        """vLLM reads pushed weights from host memory: fetching them onto the GPU first would hold a copy
+        outside its budget while it starts."""
+        return "cpu" if self.vllm else env.device
 
     def load(self, env: Any, state: dict[str, torch.Tensor]) -> None:
         kv = int(self.spec.get("kv_budget_tokens", 65536))
-        if self.spec.get("backend", "torch") == "vllm":  # GPU: same interface over vLLM (lazy import)
+        self.device = str(env.device)
+        if self.vllm:  # GPU: same interface over vLLM (lazy import)
             from pivotrl.engines.vllm_engine import VLLMEngine
+            from pivotrl.runtime.vllm_budget import vllm_utilization
 
+            self.weights_bytes = sum(t.numel() * t.element_size() for t in state.values())
+            self.budget, util = vllm_utilization(self.spec, env, self.weights_bytes, kv, self.role)
             self.engine = VLLMEngine(
                 self.spec["hf_dir"],
                 kv_budget_tokens=kv,
                 max_batch=self.max_batch,
                 device=env.device,
                 dtype=self.spec.get("dtype", "auto"),
+                gpu_memory_utilization=util,
+                enable_sleep_mode=bool(self.spec.get("sleep_mode", True)),
             )
             self.engine.load_state_dict(state)  # the GPS version, not whatever the directory holds
             return
@@ -100,14 +138,35 @@ class GenerationContext(_Weights):
         self.engine.load_state_dict(state)
 
     def parkable(self) -> bool:
-        """Can the built engine stay resident while the device serves another role? (torch engine only:
-        on CPU its memory is host memory anyway; vLLM would hold its GPU memory.)"""
-        return self.engine is not None and self.spec.get("backend", "torch") != "vllm"
+        """Can the built engine stay resident while the device serves another role? The torch engine on
+        CPU (its memory is host memory anyway), not on a GPU (it would keep all of its GPU memory); vLLM
+        when it can sleep at level 1, i.e. its weights fit the host memory free now (`park`)."""
+        if self.engine is None:
+            return False
+        if not self.vllm:
+            return self.device == "cpu"
+        from pivotrl.engines.gpu_budget import host_allows_sleep
+
+        return bool(self.spec.get("sleep_mode", True)) and host_allows_sleep(
+            self.weights_bytes, available_host_bytes()
+        )
+
+    def park(self) -> None:
+        """vLLM: sleep at level 1 (weights to host memory, KV cache released); the torch engine: nothing."""
+        if self.vllm and self.engine is not None:
+            self.engine.sleep(level=1)
+
+    def unpark(self, env: Any) -> bool:
+        if not (self.vllm and self.engine is not None):
+            return False
+        self.engine.wake_up()
+        return True
 
     def offload(self) -> None:
         if self.engine is not None:
             self.engine.offload()
         self.engine = None
+        free_cuda_cache()
 
     def add(self, item: WorkItem) -> None:
         from pivotrl.engines.generation import GenRequest, SamplingParams
@@ -214,10 +273,13 @@ class TrainContext(_Weights):
         self.model.load_state_dict(state)
 
     def parkable(self) -> bool:
-        return self.model is not None and self.sum is None and not self.queue
+        """Nothing unflushed, and on CPU: on a GPU a parked trainer would hold its GPU memory."""
+        on_cpu = self.env is None or str(self.env.device) == "cpu"
+        return self.model is not None and self.sum is None and not self.queue and on_cpu
 
     def offload(self) -> None:
         self.model = self.ref_model = None
+        free_cuda_cache()  # the next role (vLLM above all) sees driver-free memory, not the cache
 
     def add(self, item: WorkItem) -> None:
         self.queue.append(item)

@@ -59,13 +59,16 @@ class PivotWorkerPlugin(WorkerPlugin):
         self.storage_root = storage_root
         self.host_options = {"idle_poll_s": idle_poll_s, "progress_every_s": progress_every_s,
                              "sync_every_s": sync_every_s, "contexts": contexts}
-        # Parking a left role's context is the default on CPU, where device memory is host memory.
+        # Parking a left role's context is the default: each context says whether it may (`parkable`):
+        # on CPU, where device memory is host memory, and vLLM on a GPU, which sleeps into host memory.
         self.park_contexts = park_contexts
 
     def setup(self, worker: Any) -> None:
         from pivotrl.malloc import keep_freed_memory
 
         self.worker = worker
+        # vLLM's engine core: spawned, never forked from a process that already holds a CUDA context
+        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         keep_freed_memory()  # before the first engine step: see pivotrl/malloc.py
         self.pinned = False
         if self.pin_cores:
@@ -76,7 +79,7 @@ class PivotWorkerPlugin(WorkerPlugin):
             self.pinned = pin_process_to_core(core)
         device = "cuda:0" if self.device == "cuda" else self.device  # dask-cuda: this worker's GPU is first
         env = WorkerEnv(device, self.gps_options, self.storage_root, name=str(worker.name))
-        park = self.park_contexts if self.park_contexts is not None else device == "cpu"
+        park = self.park_contexts if self.park_contexts is not None else True
         self.host = RoleHost(env, self._send_sync, worker=worker.address, session=self.session, park=park,
                              **self.host_options)
         self._thread = threading.Thread(target=self._run, name="pivotrl-role-host", daemon=True)
