@@ -90,12 +90,12 @@ def policy_tensors(run: Path) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="6 iterations, 5 kills")
+    ap.add_argument("--quick", action="store_true", help="6 iterations, 6 kills")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--storage", type=Path, default=Path("storage/bench/resume"))
     ap.add_argument("--seed", type=int, default=0, help="draws the wall-clock kill moments")
     args = ap.parse_args(argv)
-    iterations, wall_kills = (6, 1) if args.quick else (10, 4)
+    iterations, wall_kills = (6, 2) if args.quick else (10, 4)
     rng = random.Random(args.seed)
     root = args.storage.resolve()
     shutil.rmtree(root, ignore_errors=True)
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg = write_config(root, root / "interrupted", iterations)
     plan: list[tuple[str | None, float | None]] = [(p, None) for p in POINTS]
-    plan += [(None, rng.uniform(0.3, 1.0) * uninterrupted_s) for _ in range(wall_kills)]
+    plan += [(None, rng.uniform(0.15, 0.5) * uninterrupted_s) for _ in range(wall_kills)]
     kills, resumes_ok, overheads, log = 0, True, [], []
     for i, (point, after) in enumerate(plan):
         rc, out, err = submit(cfg, resume=i > 0, kill_at=point, kill_after_s=after)
