@@ -58,12 +58,6 @@ def test_engine_part_on_cpu(tmp_path):
     assert r["ok"] and r["engine_ratio_vs_hf_generate"] > 0 and r["hf_generate_tokens_per_s"] > 0
 
 
-@pytest.mark.xfail(
-    raises=RuntimeError,
-    strict=True,
-    reason="issue #20 item 1 (abort after KV growth in generation.py) is fixed on the lead's branch: "
-    "drop this mark once it is merged",
-)
 def test_abort_resume_part_on_cpu(tmp_path):
     r = parts.abort_resume("cpu", tmp_path)
     assert all(n > 16 for n in r["sequence_lengths"].values())  # past the initial cache
