@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+OVERHEAD = "resume overhead:"
 POINTS = ["optimizer_step:2", "publish:1", "checkpoint:1", "collect:3"]  # the first kills a fresh run
 
 
@@ -59,6 +60,7 @@ def submit(cfg: Path, resume: bool, kill_at: str | None, kill_after_s: float | N
     if resume:
         cmd += ["--resume", "latest"]
     env = {k: v for k, v in os.environ.items() if k != "PIVOTRL_KILL_AT"}
+    env["PYTHONUNBUFFERED"] = "1"  # what a killed driver printed is kept
     if kill_at:
         env["PIVOTRL_KILL_AT"] = kill_at
     pipe = subprocess.PIPE
@@ -122,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         first = out.splitlines()[0] if out else ""
         if i > 0 and out and not first.startswith("resuming run"):  # (a kill may come before any output)
             resumes_ok = False
+        overheads += [float(ln.split()[2].rstrip("s")) for ln in out.splitlines() if ln.startswith(OVERHEAD)]
         log.append({"kill_at": point, "kill_after_s": after, "exit": rc, "first_line": first})
         print(f"run {i + 1}: kill at {point or f'{after:.1f}s'} -> exit {rc}", flush=True)
         if rc not in (0, -signal.SIGKILL):
@@ -134,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         print(out[-2000:], err[-2000:])
     resumes_ok = resumes_ok and rc == 0 and first.startswith("resuming run")
     for line in out.splitlines():
-        if line.startswith("resume overhead:"):
+        if line.startswith(OVERHEAD):
             overheads.append(float(line.split()[2].rstrip("s")))
     print(f"final resume: exit {rc}; {first}", flush=True)
 

@@ -353,6 +353,9 @@ def run_pipeline(
                         result.eval,
                     )
                     checkpoint.commit(run_dir, ckpt, owner, gps, pinned[0])
+                    if resumed is not None and len(result.iterations) == resumed.ckpt.iterations_done + 1:
+                        log(f"resume overhead: {owner.first_step_at - t_start:.2f}s from loading the "
+                            "checkpoint to the first optimizer step")
                     pinned[0] = owner.version
                     if on_iteration is not None:
                         on_iteration(res, row)
@@ -376,9 +379,6 @@ def run_pipeline(
                     max_staleness=cfg.run.max_staleness,
                     first_iteration=done_before,
                 )
-                if resumed is not None and owner.first_step_at is not None:
-                    log(f"resume overhead: {owner.first_step_at - t_start:.2f}s from loading the checkpoint "
-                        "to the first optimizer step")
                 if eval_problems:
                     acc1 = result.curve[-1]["accuracy"] if result.iterations else acc0
                     result.eval["accuracy_after"] = acc1
