@@ -10,21 +10,55 @@ pydantic models and load them through the same `load_config`.
 
 from __future__ import annotations
 
+import types
+import typing
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from pivotrl.errors import UserError
+from pivotrl.names import check_name, check_storage_root
 
 M = TypeVar("M", bound=BaseModel)
 
 
-class Section(BaseModel):
-    """Base of every config section: unknown keys are errors, assignments are validated."""
+def _wants_number(annotation: Any) -> bool:
+    if annotation in (int, float):
+        return True
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return any(_wants_number(a) for a in typing.get_args(annotation))
+    return False
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+class Section(BaseModel):
+    """Base of every config section: unknown keys are errors, assignments are validated, a boolean is
+    never taken for a number (`true` would otherwise be 1) and numbers must be finite."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_number(cls, value: Any, info: ValidationInfo) -> Any:
+        field = cls.model_fields.get(info.field_name or "")
+        if isinstance(value, bool) and field is not None and _wants_number(field.annotation):
+            raise ValueError(f"a number is wanted, not the boolean {value}")
+        return value
+
+
+# A user name that becomes a path component (run directory, store model directory): see `pivotrl.names`.
+SafeName = Annotated[str, AfterValidator(check_name)]
+StorageRoot = Annotated[str, AfterValidator(check_storage_root)]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -33,13 +67,13 @@ class Section(BaseModel):
 
 
 class RunConfig(Section):
-    name: str = "run"
+    name: SafeName = "run"
     seed: int = 0
     iterations: int = Field(8, ge=1)
     time_budget_s: float | None = Field(
         None, gt=0, description="stop starting new iterations after this many seconds of training"
     )
-    storage_root: str = "storage"
+    storage_root: StorageRoot = "storage"
     max_staleness: int = Field(
         0,
         ge=0,
@@ -53,7 +87,7 @@ class ModelRef(Section):
     """A model: a Hugging Face directory (`path`), or, without one, the bootstrap model built here (its
     shape comes from `train.sft` for the policy and `reward.sft` for the judge)."""
 
-    name: str = Field(..., min_length=1, description="name in the Global Parameter Storage")
+    name: SafeName = Field(..., description="name in the Global Parameter Storage (a path component)")
     size: Literal["debug", "small"] | None = Field(
         None, description="not read: the bootstrap preset is train.sft.base_size / reward.sft.base_size; "
         "any value is an error"
@@ -269,13 +303,33 @@ class PipelineConfig(Section):
 # ----------------------------------------------------------------------------------------------------
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, except that a key given twice in one mapping is an error: plain YAML keeps the
+    last one, so a duplicated section would silently drop the first."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r}", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def read_yaml(path: str | Path) -> dict[str, Any]:
     """Read a YAML mapping, turning every failure into a one-line `UserError` naming the file."""
     p = Path(path)
     if not p.is_file():
         raise UserError(f"{p}: config file not found")
     try:
-        data = yaml.safe_load(p.read_text())
+        data = yaml.load(p.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{p}: not UTF-8 text (byte {exc.start})") from None
+    except OSError as exc:
+        raise UserError(f"{p}: cannot read ({exc.strerror})") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" (line {mark.line + 1})" if mark is not None else ""
@@ -329,6 +383,7 @@ def _format_error(source: str, exc: ValidationError) -> str:
     if not field and err["type"] == "value_error":  # a whole-config check: its message names the field
         return f"{source}: {msg.removeprefix('Value error, ')}"
     field = field or "<root>"
+    msg = msg.removeprefix("Value error, ")
     if err["type"] == "extra_forbidden":
         msg = "unknown field"
     got = err.get("input")

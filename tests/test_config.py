@@ -1,3 +1,4 @@
+import re
 import subprocess
 import sys
 
@@ -157,3 +158,26 @@ def test_scheduler_priors_load_and_validate(tmp_path):
         with pytest.raises(UserError) as exc:
             load_config(f, overrides=[bad])
         assert bad.split("=")[0] in str(exc.value) and "\n" not in str(exc.value)
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("run: {iterations: true}", "run.iterations: a number is wanted, not the boolean True"),
+        ("train: {lr: .nan}", "train.lr: Input should be a finite number"),
+        ("run: {seed: 1}\nrun: {seed: 2}\n", "invalid YAML (line 2): duplicate key 'run'"),
+        ("run: {storage_root: CONFIG}", "exists and is not a directory"),
+    ],
+)
+def test_silent_acceptances_are_errors(tmp_path, text, expected):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(text.replace("CONFIG", str(cfg)))
+    with pytest.raises(UserError, match=re.escape(expected)):
+        load_config(cfg)
+
+
+def test_a_non_utf8_config_is_one_line(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_bytes(b"run: {name: \xff}\n")
+    with pytest.raises(UserError, match="not UTF-8 text"):
+        load_config(cfg)

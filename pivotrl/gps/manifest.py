@@ -8,7 +8,6 @@ can read the manifest can read the whole version.
 
 from __future__ import annotations
 
-import re
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -16,10 +15,10 @@ from typing import Any
 import torch
 
 from pivotrl.gps.errors import InvalidModelName
+from pivotrl.names import is_safe_name
 
 FORMAT = "pivotrl-gps/1"
 VERSION_DIGITS = 12
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
 
 # torch dtype name -> (torch dtype, zarr/numpy data_type used on disk). bf16 has no zarr type: it is stored
 # as its int16 bit pattern (bit-exact) and the torch dtype is recorded in the manifest.
@@ -48,7 +47,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def validate_model_name(model: str) -> str:
     """Reject names that could leave the store root (`..`, `/`, absolute paths) or are not portable."""
-    if not isinstance(model, str) or not _NAME_RE.match(model) or ".." in model:
+    if not is_safe_name(model):
         raise InvalidModelName(
             f"invalid model name {model!r}: use 1-128 characters from [A-Za-z0-9_.-], starting with a letter "
             "or digit, no '..' and no path separators"
