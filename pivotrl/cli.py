@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from typing import NoReturn
 
 from pivotrl.errors import UserError
 
@@ -22,8 +23,16 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, except that a usage error is one line plus a hint to `--help` (exit 2), not the usage
+    block: the mistake is what a user needs to see. Subcommand parsers inherit the class."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pivotrl-pipeline", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="pivotrl-pipeline", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text)

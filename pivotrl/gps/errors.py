@@ -1,8 +1,9 @@
 """Errors of the Global Parameter Storage.
 
 User mistakes (a bad model name, a version that does not exist, publishing a version twice) are
-`UserError`s so the CLI prints them as one line; data-integrity and background-write failures are not user
-mistakes and keep their own types, but their messages still name the model, the version and the tensor.
+`UserError`s so the CLI prints them as one line; so is corruption found on read (`IntegrityError`), whose
+message names the model, the version, the tier and the tensor. Background-write failures keep their own
+type.
 """
 
 from __future__ import annotations
@@ -26,8 +27,11 @@ class VersionExistsError(GPSError):
     """(model, version) was already published: versions are immutable, exactly one writer wins."""
 
 
-class IntegrityError(RuntimeError):
-    """Stored bytes do not match the manifest's checksum (corruption), in every tier that was tried."""
+class IntegrityError(UserError, RuntimeError):
+    """Stored bytes do not match the manifest's checksum (corruption), in every tier that was tried.
+
+    Not the user's mistake, but nothing a traceback would add: the message names the model, the version,
+    each tier and the tensors that failed, and the CLI prints it as that one line (exit 2)."""
 
 
 class WriteBehindError(RuntimeError):

@@ -1,0 +1,35 @@
+"""User errors at the command line: one line on stderr, exit 2, no traceback, nothing written."""
+
+from __future__ import annotations
+
+import pytest
+
+from pivotrl import cli
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["submit"], "the following arguments are required: config"),
+        (["submit", "x.yaml", "--workers", "abc"], "invalid int value: 'abc'"),
+        (["--bogus"], "unrecognized arguments: --bogus"),
+        (["submit", "missing.yaml"], "missing.yaml: config file not found"),
+        (["submit", "missing.yaml", "--resume", "../up"], "missing.yaml: config file not found"),
+        (["frobnicate"], "unknown command 'frobnicate'"),
+    ],
+)
+def test_usage_and_input_errors_are_one_line(argv, expected, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert expected in err and err.count("\n") == 1 and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []  # nothing created
+
+
+def test_resume_of_a_run_that_is_not_there_names_it(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "c.yaml").write_text(f"run: {{storage_root: {tmp_path / 'st'}}}\n")
+    assert cli.main(["submit", "c.yaml", "--resume", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert "--resume nope: no run nope" in err and err.count("\n") == 1
+    assert not (tmp_path / "st").exists()
