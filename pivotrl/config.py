@@ -295,6 +295,11 @@ class PipelineConfig(Section):
                 raise ValueError(f"static_split has unknown role(s) {bad}; roles are rollout, reward, train")
             if any(v < 0 for v in split.values()):
                 raise ValueError("static_split counts must be >= 0")
+            workers = self.cluster.workers
+            if workers is not None and sum(split.values()) > workers:
+                raise ValueError(
+                    f"scheduler.static_split needs {sum(split.values())} devices; cluster.workers is {workers}"
+                )
         return self
 
 

@@ -181,3 +181,10 @@ def test_a_non_utf8_config_is_one_line(tmp_path):
     cfg.write_bytes(b"run: {name: \xff}\n")
     with pytest.raises(UserError, match="not UTF-8 text"):
         load_config(cfg)
+
+
+def test_a_static_split_larger_than_the_cluster_is_refused(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("cluster: {workers: 2}\nscheduler: {static_split: {rollout: 2, reward: 1, train: 1}}\n")
+    with pytest.raises(UserError, match="static_split needs 4 devices; cluster.workers is 2"):
+        load_config(cfg)
