@@ -266,6 +266,7 @@ def run_pipeline(
         run_dir = Path(cfg.run.storage_root) / "runs" / run_id
     cfg_json = cfg.model_dump(mode="json")
     with lease.held(run_dir, "run directory"):  # one live driver per run
+        log("phase: models (the bootstrap builds missing ones, cached)")
         paths = resolve_models(cfg, log)
         task = get_task(cfg.task.name, cfg.task.options)
         tokenizer = load_tokenizer(paths["policy"])
@@ -277,6 +278,7 @@ def run_pipeline(
             host_tier(cfg.gps.host_tier, run_id, log) as host,
             ParameterStore(gps_root, host_tier=host, device_tier_bytes=0) as gps,
         ):
+            log(f"phase: parameter store ({'version 0' if resumed is None else 'restore'})")
             owner = PolicyUpdater.load(cfg, paths["policy"], gps)
             if resumed is None:
                 owner.publish()  # version 0 of the policy
@@ -294,6 +296,7 @@ def run_pipeline(
                 "device_tier_bytes": cfg.gps.device_tier_bytes,
             }
             cl = cfg.cluster
+            log("phase: cluster start")
             with open_cluster(
                 workers=workers or cl.workers,
                 scheduler=scheduler or cl.scheduler,
@@ -361,12 +364,14 @@ def run_pipeline(
                         on_iteration(res, row)
 
                 if eval_problems and "accuracy_before" not in result.eval:
+                    log("phase: held-out evaluation of version 0")
                     acc0 = evaluate(session, ctx, eval_problems, 0, "v0", cfg.run.seed)
                     result.eval["accuracy_before"] = acc0
                     result.curve.append({"iteration": 0, "elapsed_s": 0.0, "accuracy": acc0})
                     log(f"held-out accuracy of version 0: {acc0:.1f}%")
                 acc0 = result.eval.get("accuracy_before", float("nan"))
                 t_iterations = time.monotonic()  # the budget counts learning, not the baseline measurement
+                log("phase: iterations")
                 run_iterations(
                     pipeline,
                     iterations=cfg.run.iterations,
