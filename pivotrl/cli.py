@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(importlib.import_module(SUBCOMMANDS[args.command][0]).run(args) or 0)
     except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)  # one line, whatever raised it
         return exc.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -297,9 +297,8 @@ class PipelineConfig(Section):
                 raise ValueError("static_split counts must be >= 0")
             workers = self.cluster.workers
             if workers is not None and sum(split.values()) > workers:
-                raise ValueError(
-                    f"scheduler.static_split needs {sum(split.values())} devices; cluster.workers is {workers}"
-                )
+                need = sum(split.values())
+                raise ValueError(f"scheduler.static_split needs {need} devices; cluster.workers is {workers}")
         return self
 
 
@@ -338,7 +337,8 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" (line {mark.line + 1})" if mark is not None else ""
-        raise UserError(f"{p}: invalid YAML{where}: {getattr(exc, 'problem', exc)}") from None
+        problem = " ".join(str(getattr(exc, "problem", None) or exc).split())  # one line, whatever yaml says
+        raise UserError(f"{p}: invalid YAML{where}: {problem}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
