@@ -115,8 +115,11 @@ def main(argv: list[str] | None = None) -> int:
     uninterrupted_s = time.monotonic() - t0
 
     cfg = write_config(root, root / "interrupted", iterations)
-    plan: list[tuple[str | None, float | None]] = [(p, None) for p in POINTS]
+    # the wall-clock kills come right after the first (fault-point) kill, while most iterations are left,
+    # so a kill at 15-50 % of the uninterrupted run's wall time lands inside the resumed run's work
+    plan: list[tuple[str | None, float | None]] = [(POINTS[0], None)]
     plan += [(None, rng.uniform(0.15, 0.5) * uninterrupted_s) for _ in range(wall_kills)]
+    plan += [(p, None) for p in POINTS[1:]]
     kills, resumes_ok, overheads, log = 0, True, [], []
     for i, (point, after) in enumerate(plan):
         rc, out, err = submit(cfg, resume=i > 0, kill_at=point, kill_after_s=after)
