@@ -203,5 +203,18 @@ def compare(cfg: SimConfig, log: Any = None) -> dict[str, Any]:
     out["fraction_of_fluid_bound"] = shift.tokens_per_s_per_device / fluid["tokens_per_s_per_device"]
     tight_tps = tight["tokens_per_s_per_device"]
     out["fraction_of_fluid_and_latency_bound"] = shift.tokens_per_s_per_device / tight_tps
+    # Item 5 of issue #14: every paradigm against both bounds and the tighter of the two (per iteration the
+    # larger makespan of fluid and critical path: the physical limit on-policy).
+    tokens = shift.tokens
+    chain_tps = tokens / tight["chain_makespan_s"] / cfg.cluster.devices if tight["chain_makespan_s"] else 0.0
+    out["tokens_per_s_per_device"]["critical_path_bound"] = chain_tps
+    out["tokens_per_s_per_device"]["tighter_bound"] = tight_tps
+    out["fraction_of_critical_path_bound"] = shift.tokens_per_s_per_device / chain_tps if chain_tps else 0.0
+    out["fraction_of_tighter_bound"] = shift.tokens_per_s_per_device / tight_tps
+    out["paradigms_vs_bounds"] = {
+        name: {"fraction_of_fluid_bound": r.tokens_per_s_per_device / fluid["tokens_per_s_per_device"],
+               "fraction_of_critical_path_bound": r.tokens_per_s_per_device / chain_tps if chain_tps else 0.0,
+               "fraction_of_tighter_bound": r.tokens_per_s_per_device / tight_tps}
+        for name, r in (("colocated", colo), ("best_static", static), ("shiftable", shift))}
     out["_results"] = {"colocated": colo, "best_static": static, "shiftable": shift}
     return out
