@@ -331,7 +331,7 @@ def main() -> None:
     t.add_argument("--table", default=str(ROOT / "docs/sim-sweep-table.md"))
     t.add_argument("--plot", default=str(ROOT / "docs/sim-sweep.png"))
     rnd = sub.add_parser("random")
-    rnd.add_argument("--quick", action="store_true", help="smaller draws (8-32 sequences per device, <= 4k "
+    rnd.add_argument("--quick", action="store_true", help="smaller draws (16-64 sequences per device, <= 6k "
                      "per iteration, 2 iterations)")
     rnd.add_argument("--workloads", type=int, default=52, help="how many workloads (>= 50 for acceptance)")
     rnd.add_argument("--first-seed", type=int, default=0)

@@ -43,7 +43,7 @@ class DrawLimits:
     @classmethod
     def of(cls, quick: bool) -> DrawLimits:
         if quick:
-            return cls((8, 32), 4096, 2)
+            return cls((16, 64), 6144, 2)
         return cls((32, 128), 32768, 3)
 
 
