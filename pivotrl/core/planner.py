@@ -45,11 +45,11 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from pivotrl.core.shiftcost import ShiftCostModel
 from pivotrl.core.state import ClusterState
-from pivotrl.core.types import Candidate, PlanReasoning, Replica, ReplicaState, Role
+from pivotrl.core.types import PIPELINE, Candidate, PlanReasoning, Replica, ReplicaState, Role
 from pivotrl.core.views import RoleView, drain_value, keep_limit, role_views, tau
 
 __all__ = ["Donor", "DonorPool", "PlanResult", "RoleView", "donor_penalty", "donor_pools", "drain_value",
-           "keep_limit", "plan", "plan_for", "role_views", "tau"]
+           "keep_limit", "plan", "plan_for", "return_trip_s", "role_views", "tau"]
 
 
 @dataclass(frozen=True)
@@ -82,12 +82,26 @@ class DonorPool:
 
 
 def donor_penalty(rep: Replica, view: RoleView, costs: ShiftCostModel, to_role: Role,
-                  prefill_rate: float) -> float:
-    """φ of one replica (the scalar form of what `donor_pools` computes in bulk)."""
+                  prefill_rate: float, views: dict[Role, RoleView] | None = None) -> float:
+    """φ of one replica (the scalar form of what `plan_for` computes in bulk); with `views`, the return
+    trip of a device the first stage lends while it is done for the iteration (`return_trip_s`)."""
     dur = costs.duration(rep.role, to_role)
     lost = dur * rep.model.rate(rep.n) * view.weight
     reprefill = view.g * rep.context / prefill_rate if prefill_rate > 0 else 0.0
-    return lost + reprefill
+    back = 0.0 if views is None else return_trip_s(views, rep.role, to_role, costs) * view.g
+    return lost + reprefill + back
+
+
+def return_trip_s(views: dict[Role, RoleView], role: Role | None, to_role: Role,
+                  costs: ShiftCostModel) -> float:
+    """Seconds per device a donor of `role` will spend shifting back: the first stage, while it is done for
+    this iteration, is idle only until the next one starts with all of its work, so a device it lends
+    downstream for this iteration's tail must return (see
+    docs/decisions.md#a-lent-rollout-device-pays-its-way-back). 0 for every other donor."""
+    first = PIPELINE[0]
+    if role is not first or first not in views or not views[first].done:
+        return 0.0
+    return costs.duration(to_role, first)
 
 
 def donor_pools(state: ClusterState, views: dict[Role, RoleView], now: float) -> list[DonorPool]:
@@ -203,7 +217,12 @@ def plan_for(state: ClusterState, costs: ShiftCostModel, views: dict[Role, RoleV
     for pool in pools:
         if pool.role is u:
             continue
-        phi = costs.duration(pool.role, u) * pool.lost + pool.reprefill
+        dur = costs.duration(pool.role, u)
+        if per_device > 0 and dur > cfg.horizon_s:
+            # G counts work over H: a shift that lasts longer than H has its benefit counted over a window
+            # its devices spend mostly shifting (see docs/decisions.md#a-shift-never-outlasts-its-horizon).
+            continue
+        phi = dur * pool.lost + pool.reprefill + return_trip_s(views, pool.role, u, costs) * pool.g
         order = np.argsort(phi, kind="stable")
         layers.append((pool, order, phi[order]))
     if not layers:

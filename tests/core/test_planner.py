@@ -141,10 +141,12 @@ def _brute_force(stt: ClusterState, costs: ShiftCostModel, now: float, u: Role) 
             if any(now - stt.device_shifted_at[x] < cfg.cooldown_s for x in rep.devices):
                 continue
             donors.append((d, views[d].g, donor_penalty(rep, views[d], costs, u,
-                                                       cfg.spec(d).prefill_tokens_per_s)))
+                                                       cfg.spec(d).prefill_tokens_per_s, views)))
     vu = views[u]
     max_x = math.floor(cfg.max_shift_fraction * len(stt.device_role) + 1e-9)
     per_device = 0.0 if vu.replicas == 0 else cfg.hysteresis * cfg.horizon_s
+    if per_device > 0:  # a shift outlasting the horizon its benefit is counted over is never a candidate
+        donors = [dn for dn in donors if costs.duration(dn[0], u) <= cfg.horizon_s]
     best = best_clearing = None
     memo: dict = {}
     # u all that is left of the iteration: its gain is at least the barrier value (the slowest donor pool's
