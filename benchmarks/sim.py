@@ -284,6 +284,8 @@ def random_workloads(args: argparse.Namespace) -> None:
                   f"{d['shift']}: vs best-of {r['ratio_vs_best_of_static_and_colocated']:.3f} "
                   f"(colo {r['ratio_vs_colocated']:.3f}, static {r['ratio_vs_best_static']:.3f}) "
                   f"of tighter bound {r['fraction_of_tighter_bound']:.3f}  [{r['wall_s']:.0f}s]", flush=True)
+            if args.json_out:  # partial results survive an interrupted run
+                Path(args.json_out).write_text(json.dumps({"partial": True, "rows": rows}, default=str))
     ratios = [r["ratio_vs_best_of_static_and_colocated"] for r in rows]
     losses = [r["seed"] for r in rows if r["ratio_vs_best_of_static_and_colocated"] < 0.99]
     out = {

@@ -46,10 +46,10 @@ from numpy.lib.stride_tricks import sliding_window_view
 from pivotrl.core.shiftcost import ShiftCostModel
 from pivotrl.core.state import ClusterState
 from pivotrl.core.types import PIPELINE, Candidate, PlanReasoning, Replica, ReplicaState, Role
-from pivotrl.core.views import RoleView, drain_value, keep_limit, role_views, tau
+from pivotrl.core.views import RoleView, critical_delay, drain_value, keep_limit, role_views, tau
 
-__all__ = ["Donor", "DonorPool", "PlanResult", "RoleView", "donor_penalty", "donor_pools", "drain_value",
-           "keep_limit", "plan", "plan_for", "return_trip_s", "role_views", "tau"]
+__all__ = ["Donor", "DonorPool", "PlanResult", "RoleView", "critical_delay", "donor_penalty", "donor_pools",
+           "drain_value", "keep_limit", "plan", "plan_for", "return_trip_s", "role_views", "tau"]
 
 
 @dataclass(frozen=True)
@@ -269,6 +269,7 @@ def plan_for(state: ClusterState, costs: ShiftCostModel, views: dict[Role, RoleV
         else:
             vd = views[pool.role]
             loss = vd.processed(vd.replicas) - vd.processed_many(vd.replicas - ks)
+            loss = loss + critical_delay(views, pool.role, u, ks) * total_devices
         val = -loss - phi
         # Row k of the table is dp shifted right by k·g (−∞ where x < k·g) plus val[k]: strided views of a
         # left-padded dp, so no index arrays are built.

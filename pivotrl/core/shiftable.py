@@ -31,6 +31,7 @@ class Shiftable(Policy):
         # (static predicted ~2x too fast) and picks `static` (1,394 vs 1,790 tokens/s/device); see
         # docs/decisions.md#whole-iteration-plans-are-predicted-not-yet-trusted.
         self.choose_plan = choose_plan
+
         self.last: planner.PlanResult | None = None
         self.choice: IterationChoice | None = None
         self.history: list[IterationChoice] = []

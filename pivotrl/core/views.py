@@ -261,3 +261,28 @@ def keep_limit(views: dict[Role, RoleView], role: Role | None, to_role: Role | N
     ok[0] = True  # giving nothing is always allowed
     bad = np.flatnonzero(~ok)
     return int(bad[0] - 1) if bad.size else limit
+
+
+def critical_delay(views: dict[Role, RoleView], role: Role, to_role: Role, ks: np.ndarray) -> np.ndarray:
+    """Seconds by which giving `ks` replicas of `role` to `to_role` delays the end of the iteration through
+    `role`'s longest live items (issue #14: an on-policy iteration ends when its longest sequence does).
+
+    With fewer replicas each keeps more items, so every decode step — and so every token of the longest
+    item — takes longer: its remaining time is L × step(m − k), L the mean remaining tokens of the live
+    items (the longest has at least that many). It delays the iteration only where it outlasts both the
+    current allocation's and the receiver's own drain (downstream is busy until then anyway). Only an
+    upstream role with live work delays what follows it; 0 for every other donor. Multiply by the
+    cluster's devices for device-seconds: on-policy the whole cluster waits at the barrier."""
+    v = views[role]
+    upstream = role in PIPELINE and to_role in PIPELINE and PIPELINE.index(role) < PIPELINE.index(to_role)
+    items = v.seqs + v.arriving_seqs
+    if not upstream or items <= 0 or v.k != 1.0:
+        return np.zeros(ks.shape)
+    left = (v.work + v.arriving_work) / items
+    ms = np.maximum(v.replicas - ks, 0)
+    t_now = left * float(v.step_many(np.asarray([v.replicas]))[0])
+    t_after = np.where(ms > 0, left * v.step_many(ms), math.inf)
+    vu = views[to_role]
+    gift = ks * v.g // max(vu.g, 1)
+    tau_u = (vu.work + vu.arriving_work) / np.maximum(vu.throughput_many(vu.replicas + gift), 1e-300)
+    return np.maximum(t_after - np.maximum(t_now, tau_u), 0.0)

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from pivotrl.core import IterationPlan, Role, RoleSpec
 from pivotrl.core.dispatcher import dispatch_all
-from pivotrl.core.planner import donor_penalty, plan, role_views, tau
+from pivotrl.core.planner import critical_delay, donor_penalty, plan, role_views, tau
 from pivotrl.core.shiftcost import ShiftCostModel
 from pivotrl.core.state import ClusterState
 from pivotrl.core.throughput import ThroughputModel
@@ -182,6 +182,7 @@ def _brute_force(stt: ClusterState, costs: ShiftCostModel, now: float, u: Role) 
         for r, k in ks.items():
             if r is not u and k:
                 gain -= processed(r, views[r].replicas) - processed(r, views[r].replicas - k)
+                gain -= float(critical_delay(views, r, u, np.asarray([k]))[0]) * len(stt.device_role)
         b = gain - sum(p for _, _, p in chosen)
         best = b if best is None else max(best, b)
         if b > max(per_device * x, 1e-12):
