@@ -218,7 +218,7 @@ def plan_for(state: ClusterState, costs: ShiftCostModel, views: dict[Role, RoleV
         if pool.role is u:
             continue
         dur = costs.duration(pool.role, u)
-        if per_device > 0 and dur > cfg.horizon_s:
+        if vu.replicas > 0 and dur > cfg.horizon_s:
             # G counts work over H: a shift that lasts longer than H has its benefit counted over a window
             # its devices spend mostly shifting (see docs/decisions.md#a-shift-never-outlasts-its-horizon).
             continue

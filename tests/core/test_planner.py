@@ -145,7 +145,7 @@ def _brute_force(stt: ClusterState, costs: ShiftCostModel, now: float, u: Role) 
     vu = views[u]
     max_x = math.floor(cfg.max_shift_fraction * len(stt.device_role) + 1e-9)
     per_device = 0.0 if vu.replicas == 0 else cfg.hysteresis * cfg.horizon_s
-    if per_device > 0:  # a shift outlasting the horizon its benefit is counted over is never a candidate
+    if vu.replicas > 0:  # a shift outlasting the horizon its benefit is counted over is never a candidate
         donors = [dn for dn in donors if costs.duration(dn[0], u) <= cfg.horizon_s]
     best = best_clearing = None
     memo: dict = {}
@@ -404,3 +404,18 @@ def test_upstream_donations_are_rate_limited_per_cooldown() -> None:
     assert keep_limit(views, Role.ROLLOUT, Role.TRAIN, 0.1) == 75   # no rate limit: 25 replicas hold all
     # to the next stage (reward) only the slack applies
     assert keep_limit(views, Role.ROLLOUT, Role.REWARD, 0.1, 0.2, 16) == 75
+
+
+@CI
+@given(seed=st.integers(0, 2**32 - 1))
+def test_no_shift_outlasts_the_horizon_unless_the_receiver_is_starving(seed: int) -> None:
+    """G is counted over H: a shift longer than H is never taken, except to give a role with work and no
+    replica its first one (it would wait forever otherwise)."""
+    stt, costs, now = random_state(seed)
+    res = plan(stt, costs, now)
+    if res.chosen is None or res.to_role is None:
+        return
+    if role_views(stt, stt.config.horizon_s, now)[res.to_role].replicas == 0:
+        return
+    for d in res.donors:
+        assert costs.duration(d.role, res.to_role) <= stt.config.horizon_s
