@@ -251,6 +251,7 @@ class IterationChoice:
     predicted_s: dict[str, float]
     static_split: dict[Role, int] | None
     scale: float
+    first_stage_alone_s: float = 0.0  # predicted end of the first stage with every device on it
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -290,4 +291,6 @@ def choose(
     if last is not None and last.predicted_s > 0 and last.makespan_s > 0:
         scale = last.makespan_s / last.predicted_s
     mode = min(MODES, key=lambda m: (pred[m], MODES.index(m)))
-    return IterationChoice(mode, {m: v * scale for m, v in pred.items()}, split, scale)
+    first = st[PIPELINE[0]]
+    _, alone = first.timing(np.asarray(float(max(n // first.g, 1))))
+    return IterationChoice(mode, {m: v * scale for m, v in pred.items()}, split, scale, float(alone))

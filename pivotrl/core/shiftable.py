@@ -63,11 +63,21 @@ class Shiftable(Policy):
             return toward_split(state, self.choice.static_split)
         if mode == "colocated":
             return self._colocated.plan(state, costs, now)
-        if not state.replicas and self.choice is not None and self.choice.static_split is not None:
-            # Dynamic, first placement: free devices start on the predicted-best static split, so every
-            # stage streams from the start (placing a free device costs nothing; all on the first stage,
-            # the downstream stages would wait out a cooldown before their first replica).
-            return self._fill_split(state, self.choice.static_split, "initial:static")
+        choice = self.choice
+        if (
+            not state.replicas
+            and choice is not None
+            and choice.static_split is not None
+            and choice.first_stage_alone_s <= state.config.cooldown_s
+        ):
+            # Dynamic, first placement. Placing a free device costs nothing, but a placed device may not move
+            # for `cooldown_s`: where the first stage alone would be done within that (short iterations),
+            # all devices on it would idle out the lock while the downstream stages wait for a first
+            # replica, so the devices start on the predicted-best static split and every stage streams from
+            # the start. Otherwise the planner places them (all on the first stage, the only one with work),
+            # and shifts them downstream as its tail leaves them spare
+            # (see docs/decisions.md#the-first-placement-follows-the-cooldown).
+            return self._fill_split(state, choice.static_split, "initial:static")
         result = planner.plan(state, costs, now)
         self.last = result
         if result.chosen is None or result.to_role is None:
