@@ -6,6 +6,7 @@
                                    [--static-from OLD.json --seeds 0,1]   # reuse the static search
     python -m benchmarks.sim speed            # one 32-GPU iteration of 8,192 sequences, median of 3
     python -m benchmarks.sim table            # re-make the sweep table/figure from docs/sim-sweep.json
+    python -m benchmarks.sim static-gap [--quick] [--workloads 12]   # static search vs every split simulated
     python -m benchmarks.sim random [--quick] [--workloads 52] [--jobs 2] [--json OUT.json]
                                               # drawn workloads (pivotrl.sim.randomized): does shiftable
                                               # ever lose to the best of colocated and the best static split?
@@ -311,6 +312,42 @@ def random_workloads(args: argparse.Namespace) -> None:
     print(json.dumps({k: round(out[k], 4) if isinstance(out[k], float) else out[k] for k in keys}))
 
 
+def _gap_one(seed: int, quick: bool) -> dict[str, Any] | None:
+    """The static search against every split simulated, on one drawn workload (search iterations)."""
+    from pivotrl.sim.compare import all_splits, best_static, simulate
+    from pivotrl.sim.randomized import draw_config
+
+    cfg, draw = draw_config(seed, quick)
+    cfg = cfg.model_copy(update={"search": cfg.search.model_copy(update={"exhaustive_max_splits": 1})})
+    splits = all_splits(cfg)
+    if not splits or len(splits) > 400:
+        return None
+    _, search = best_static(cfg)
+    found = search["ranking"][0]["tokens_per_s_per_device"]
+    best = max(simulate(cfg, "disaggregated", s, iterations=cfg.search.iterations,
+                        record=False).tokens_per_s_per_device for s in splits)
+    return {"seed": seed, "devices": draw.devices, "splits_total": len(splits),
+            "splits_simulated": search["splits_simulated"], "search_tps": found, "exhaustive_tps": best,
+            "gap": 1.0 - found / best}
+
+
+def static_gap(args: argparse.Namespace) -> None:
+    """How far the static search (model-ranked top-k + capped hill-climb) is from simulating every split,
+    on drawn workloads with 65-400 splits (below 65 the search is exhaustive already)."""
+    rows = []
+    for seed in range(args.first_seed, args.first_seed + args.workloads):
+        r = _gap_one(seed, args.quick)
+        if r is None:
+            continue
+        rows.append(r)
+        print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}), flush=True)
+    out = {"workloads": len(rows), "max_gap": max((r["gap"] for r in rows), default=0.0),
+           "median_gap": statistics.median(r["gap"] for r in rows) if rows else 0.0, "rows": rows}
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(out, indent=1))
+    print(json.dumps({k: out[k] for k in ("workloads", "max_gap", "median_gap")}))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -339,8 +376,14 @@ def main() -> None:
     rnd.add_argument("--first-seed", type=int, default=0)
     rnd.add_argument("--jobs", type=int, default=2)
     rnd.add_argument("--json", dest="json_out", default=None, metavar="OUT.json")
+    gap = sub.add_parser("static-gap")
+    gap.add_argument("--quick", action="store_true")
+    gap.add_argument("--workloads", type=int, default=12, help="seeds to draw (those with 65-400 splits run)")
+    gap.add_argument("--first-seed", type=int, default=0)
+    gap.add_argument("--json", dest="json_out", default=None, metavar="OUT.json")
     args = ap.parse_args()
-    cmds = {"paper": paper, "sweep": sweep, "speed": speed, "table": table, "random": random_workloads}
+    cmds = {"paper": paper, "sweep": sweep, "speed": speed, "table": table, "random": random_workloads,
+            "static-gap": static_gap}
     cmds[args.cmd](args)
 
 

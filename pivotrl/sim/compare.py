@@ -2,9 +2,10 @@
 
 The best static (disaggregated) split is the config's `static_split` when it names one. Otherwise it is
 searched over every split of the cluster into whole replicas: all of them are simulated when there are at
-most `search.exhaustive_max_splits`; otherwise every split is ranked by an analytic estimate (the slowest
-role's fluid time), the best `top_k` are simulated and a hill-climb over neighbouring splits (one replica
-moved between two roles) continues until no neighbour improves. Both the candidate count and the method
+most `search.exhaustive_max_splits`; otherwise every split is ranked by core's iteration model
+(`model_ranked`), the best `top_k` are simulated and a hill-climb over neighbouring splits (one replica
+moved between two roles) continues until no neighbour improves or `search.max_simulations` splits were
+simulated. Both the candidate count and the method
 are reported.
 """
 
@@ -15,7 +16,7 @@ from typing import Any
 
 from pivotrl.sim.config import ROLES, SimConfig
 from pivotrl.sim.engine import SimResult, Simulator
-from pivotrl.sim.fluid import fluid_bound, latency_bound, work_per_iteration
+from pivotrl.sim.fluid import fluid_bound, latency_bound
 
 
 def simulate(cfg: SimConfig, mode: str, split: dict[str, int] | None = None,
@@ -74,11 +75,31 @@ def all_groupings(cfg: SimConfig) -> list[dict[str, int]]:
     return out
 
 
-def analytic_time(cfg: SimConfig, split: dict[str, int], work: dict[str, float]) -> float:
-    """Pipelined estimate of one iteration under a static split: the slowest stage dominates, plus the
-    fill/drain of the other stages (a crude but monotone ranking key)."""
-    t = {r: work[r] / max(split[r], 1) for r in ROLES}
-    return max(t.values()) + 0.25 * (sum(t.values()) - max(t.values()))
+def model_ranked(cfg: SimConfig, splits: list[dict[str, int]]) -> list[dict[str, int]]:
+    """Splits from best to worst by core's own iteration model (`pivotrl.core.iteration`), fed with the
+    workload's true lengths of iteration 0 (the baseline may know everything core would measure) and the
+    profile's step-time lines: a much closer ranking than the bottleneck estimate, since it prices each
+    stage's longest item and the pipeline's fill and drain."""
+    import numpy as np
+
+    from pivotrl.core.iteration import IterationProfile, RoleProfile, stages, static_makespans
+    from pivotrl.core.types import Role
+    from pivotrl.sim.driver import build_controller, iteration_plan
+    from pivotrl.sim.workload import iteration_sequences
+
+    ctl = build_controller(cfg, "disaggregated")
+    ctl.state.plan = iteration_plan(cfg, 0)
+    seqs = iteration_sequences(cfg.workload, 0, cfg.seed)
+    lens = {Role.ROLLOUT: [x.response_len for x in seqs], Role.REWARD: [x.critique_len for x in seqs],
+            Role.TRAIN: [x.prompt_len + x.response_len for x in seqs]}
+    roles = {r: RoleProfile(len(v), float(np.mean(v)), float(max(v))) for r, v in lens.items()}
+    prof = IterationProfile(0, 0.0, "static", 0.0, roles)
+    st = stages(ctl.state, ctl.shift_costs, prof)
+    if st is None:
+        return list(splits)
+    reps = {r: np.asarray([s[str(r)] // st[r].g for s in splits], dtype=float) for r in st}
+    t = static_makespans(st, reps)
+    return [splits[i] for i in np.argsort(t, kind="stable")]
 
 
 def _key(split: dict[str, int]) -> tuple[int, int, int]:
@@ -111,9 +132,8 @@ def best_static(cfg: SimConfig, log: Any = None) -> tuple[SimResult, dict[str, A
         for s in splits:
             run(s)
     else:
-        method = f"analytic top-{cfg.search.top_k} + hill-climb"
-        work = work_per_iteration(cfg)
-        ranked = sorted(splits, key=lambda s: analytic_time(cfg, s, work))
+        method = f"model top-{cfg.search.top_k} + hill-climb (at most {cfg.search.max_simulations} simulated)"
+        ranked = model_ranked(cfg, splits)
         for s in ranked[: cfg.search.top_k]:
             run(s)
         valid = {_key(s) for s in splits}
@@ -132,6 +152,8 @@ def best_static(cfg: SimConfig, log: Any = None) -> tuple[SimResult, dict[str, A
                     if src == dst:
                         continue
                     for step in steps:
+                        if len(cache) >= cfg.search.max_simulations:
+                            break   # the cap holds inside a round too (a round is up to 6 x steps runs)
                         moved = g[src] * step
                         cand = dict(best)
                         cand[src] -= moved
