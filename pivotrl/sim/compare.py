@@ -11,6 +11,7 @@ are reported.
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -154,7 +155,7 @@ def best_static(cfg: SimConfig, log: Any = None) -> tuple[SimResult, dict[str, A
                     for step in steps:
                         if len(cache) >= cfg.search.max_simulations:
                             break   # the cap holds inside a round too (a round is up to 6 x steps runs)
-                        moved = g[src] * step
+                        moved = math.lcm(g[src], g[dst]) * step   # whole replicas on both sides
                         cand = dict(best)
                         cand[src] -= moved
                         cand[dst] += moved
