@@ -31,6 +31,12 @@ work) to where they would be busy.
    with the largest B. The margin is per device moved, so a small critical move is as easy as a large one;
    a role with work and no replica at all needs only B > 0.
 
+Issue #14 additions (docs/decisions.md#shifting-that-always-pays-issue-14-what-was-built-and-measured):
+a donor pool whose shift lasts longer than H is no candidate (unless u has no replica); a device the done
+first stage lends downstream adds its return shift to φ (`return_trip_s`); an upstream donor's loss adds
+the whole cluster's wait for its longest live items, slowed by the batch the plan leaves them
+(`views.critical_delay`). Role aggregates and donor rules live in `views`.
+
 Cost: O(I log I) for the snapshot and sorting, O(K·D) vectorised numpy work for the DP; nothing walks
 sequences (the state keeps per-role and per-replica aggregates), so planning time does not grow with NSeq.
 """
