@@ -252,12 +252,15 @@ class IterationChoice:
     static_split: dict[Role, int] | None
     scale: float
     first_stage_alone_s: float = 0.0  # predicted end of the first stage with every device on it
+    handoff_s: float = 0.0  # mean seconds for a device to take up a downstream role
 
     def as_dict(self) -> dict[str, object]:
         return {
             "mode": self.mode,
             "predicted_s": dict(self.predicted_s),
             "scale": self.scale,
+            "first_stage_alone_s": self.first_stage_alone_s,
+            "handoff_s": self.handoff_s,
             "static_split": None
             if self.static_split is None
             else {str(k): v for k, v in self.static_split.items()},
@@ -293,4 +296,5 @@ def choose(
     mode = min(MODES, key=lambda m: (pred[m], MODES.index(m)))
     first = st[PIPELINE[0]]
     _, alone = first.timing(np.asarray(float(max(n // first.g, 1))))
-    return IterationChoice(mode, {m: v * scale for m, v in pred.items()}, split, scale, float(alone))
+    handoff = sum(st[r].shift_s for r in PIPELINE[1:]) / (len(PIPELINE) - 1)
+    return IterationChoice(mode, {m: v * scale for m, v in pred.items()}, split, scale, float(alone), handoff)

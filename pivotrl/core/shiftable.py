@@ -68,10 +68,11 @@ class Shiftable(Policy):
             not state.replicas
             and choice is not None
             and choice.static_split is not None
-            and choice.first_stage_alone_s <= state.config.cooldown_s
+            and choice.first_stage_alone_s <= state.config.cooldown_s + choice.handoff_s
         ):
             # Dynamic, first placement. Placing a free device costs nothing, but a placed device may not move
-            # for `cooldown_s`: where the first stage alone would be done within that (short iterations),
+            # for `cooldown_s` and then needs a shift to reach a downstream role: where the first stage alone
+            # would be done before a device could get there (short iterations, cold shifts),
             # all devices on it would idle out the lock while the downstream stages wait for a first
             # replica, so the devices start on the predicted-best static split and every stage streams from
             # the start. Otherwise the planner places them (all on the first stage, the only one with work),
