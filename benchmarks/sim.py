@@ -6,6 +6,10 @@
                                    [--static-from OLD.json --seeds 0,1]   # reuse the static search
     python -m benchmarks.sim speed            # one 32-GPU iteration of 8,192 sequences, median of 3
     python -m benchmarks.sim table            # re-make the sweep table/figure from docs/sim-sweep.json
+    python -m benchmarks.sim static-gap [--quick] [--workloads 12]   # static search vs every split simulated
+    python -m benchmarks.sim random [--quick] [--workloads 52] [--jobs 2] [--json OUT.json]
+                                              # drawn workloads (pivotrl.sim.randomized): does shiftable
+                                              # ever lose to the best of colocated and the best static split?
 
 Every paradigm runs side by side on the same workload in one process; decisions are made by pivotrl.core.
 Ratios are printed last.
@@ -236,6 +240,114 @@ def speed(args: argparse.Namespace) -> None:
                       "under_5s": max(out.values()) < 5.0}))
 
 
+def _random_one(seed: int, quick: bool) -> dict[str, Any]:
+    """One drawn workload: colocated, the searched best static split and shiftable, side by side."""
+    from pivotrl.sim.compare import compare
+    from pivotrl.sim.randomized import draw_config
+
+    t0 = time.perf_counter()
+    cfg, draw = draw_config(seed, quick)
+    rep = compare(cfg)
+    results = rep.pop("_results")
+    tps = rep["tokens_per_s_per_device"]
+    base = max(tps["colocated"], tps["best_static"])
+    return {
+        "seed": seed, "draw": draw.as_dict(),
+        "tokens_per_s_per_device": tps,
+        "best_static_split": rep["best_static_split"],
+        "static_search": {k: rep["static_search"][k] for k in ("method", "splits_total", "splits_simulated")},
+        "ratio_vs_colocated": rep["ratio_vs_colocated"],
+        "ratio_vs_best_static": rep["ratio_vs_best_static"],
+        "ratio_vs_best_of_static_and_colocated": tps["shiftable"] / base,
+        "fraction_of_fluid_bound": rep["fraction_of_fluid_bound"],
+        "fraction_of_tighter_bound": rep["fraction_of_fluid_and_latency_bound"],
+        "shift_device_share": rep["runs"]["shiftable"]["utilization"]["shift_device_share"],
+        "finished": all(r.finished for r in results.values()),
+        "conserved": all(r.conservation["conserved"] for r in results.values()),
+        "wall_s": time.perf_counter() - t0,
+    }
+
+
+def random_workloads(args: argparse.Namespace) -> None:
+    """The property-style benchmark: shiftable against the best of colocated and the best static split on
+    `--workloads` drawn workloads (seeds 0..N-1, every length shape equally often). A *loss* is a workload
+    where shiftable is below that best by more than 1 % (the acceptance line is a worst ratio >= 0.99)."""
+    t0 = time.perf_counter()
+    seeds = list(range(args.first_seed, args.first_seed + args.workloads))
+    rows: list[dict[str, Any]] = []
+    with ProcessPoolExecutor(max_workers=args.jobs) as pool:
+        futs = [pool.submit(_random_one, s, args.quick) for s in seeds]
+        for fut in futs:
+            r = fut.result()
+            rows.append(r)
+            d = r["draw"]
+            print(f"seed {r['seed']:3d} {d['shape']:13s} {d['devices']:5d} dev G={d['group_size']:2d} "
+                  f"{d['shift']}: vs best-of {r['ratio_vs_best_of_static_and_colocated']:.3f} "
+                  f"(colo {r['ratio_vs_colocated']:.3f}, static {r['ratio_vs_best_static']:.3f}) "
+                  f"of tighter bound {r['fraction_of_tighter_bound']:.3f}  [{r['wall_s']:.0f}s]", flush=True)
+            if args.json_out:  # partial results survive an interrupted run
+                Path(args.json_out).write_text(json.dumps({"partial": True, "rows": rows}, default=str))
+    ratios = [r["ratio_vs_best_of_static_and_colocated"] for r in rows]
+    losses = [r["seed"] for r in rows if r["ratio_vs_best_of_static_and_colocated"] < 0.99]
+    out = {
+        "quick": args.quick,
+        "workloads": len(rows),
+        "worst_ratio_vs_best_of_static_and_colocated": min(ratios),
+        "median_ratio_vs_best_of_static_and_colocated": statistics.median(ratios),
+        "median_fraction_of_tighter_bound": statistics.median(r["fraction_of_tighter_bound"] for r in rows),
+        "median_fraction_of_fluid_bound": statistics.median(r["fraction_of_fluid_bound"] for r in rows),
+        "losses": len(losses),
+        "lost_seeds": losses,
+        "below_best_static": sum(r["ratio_vs_best_static"] < 1.0 for r in rows),
+        "below_colocated": sum(r["ratio_vs_colocated"] < 1.0 for r in rows),
+        "all_finished": all(r["finished"] for r in rows),
+        "conserved": all(r["conserved"] for r in rows),
+        "wall_s": time.perf_counter() - t0,
+        "rows": rows,
+    }
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(out, indent=1, default=str))
+    keys = ("workloads", "worst_ratio_vs_best_of_static_and_colocated", "median_fraction_of_tighter_bound",
+            "losses", "wall_s")
+    print(json.dumps({k: round(out[k], 4) if isinstance(out[k], float) else out[k] for k in keys}))
+
+
+def _gap_one(seed: int, quick: bool) -> dict[str, Any] | None:
+    """The static search against every split simulated, on one drawn workload (search iterations)."""
+    from pivotrl.sim.compare import all_splits, best_static, simulate
+    from pivotrl.sim.randomized import draw_config
+
+    cfg, draw = draw_config(seed, quick)
+    cfg = cfg.model_copy(update={"search": cfg.search.model_copy(update={"exhaustive_max_splits": 1})})
+    splits = all_splits(cfg)
+    if not splits or len(splits) > 400:
+        return None
+    _, search = best_static(cfg)
+    found = search["ranking"][0]["tokens_per_s_per_device"]
+    best = max(simulate(cfg, "disaggregated", s, iterations=cfg.search.iterations,
+                        record=False).tokens_per_s_per_device for s in splits)
+    return {"seed": seed, "devices": draw.devices, "splits_total": len(splits),
+            "splits_simulated": search["splits_simulated"], "search_tps": found, "exhaustive_tps": best,
+            "gap": 1.0 - found / best}
+
+
+def static_gap(args: argparse.Namespace) -> None:
+    """How far the static search (model-ranked top-k + capped hill-climb) is from simulating every split,
+    on drawn workloads with 65-400 splits (below 65 the search is exhaustive already)."""
+    rows = []
+    for seed in range(args.first_seed, args.first_seed + args.workloads):
+        r = _gap_one(seed, args.quick)
+        if r is None:
+            continue
+        rows.append(r)
+        print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}), flush=True)
+    out = {"workloads": len(rows), "max_gap": max((r["gap"] for r in rows), default=0.0),
+           "median_gap": statistics.median(r["gap"] for r in rows) if rows else 0.0, "rows": rows}
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(out, indent=1))
+    print(json.dumps({k: out[k] for k in ("workloads", "max_gap", "median_gap")}))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -257,8 +369,22 @@ def main() -> None:
     t.add_argument("--out", default=str(ROOT / "docs/sim-sweep.json"))
     t.add_argument("--table", default=str(ROOT / "docs/sim-sweep-table.md"))
     t.add_argument("--plot", default=str(ROOT / "docs/sim-sweep.png"))
+    rnd = sub.add_parser("random")
+    rnd.add_argument("--quick", action="store_true", help="smaller draws (16-64 sequences per device, <= 6k "
+                     "per iteration, 2 iterations)")
+    rnd.add_argument("--workloads", type=int, default=52, help="how many workloads (>= 50 for acceptance)")
+    rnd.add_argument("--first-seed", type=int, default=0)
+    rnd.add_argument("--jobs", type=int, default=2)
+    rnd.add_argument("--json", dest="json_out", default=None, metavar="OUT.json")
+    gap = sub.add_parser("static-gap")
+    gap.add_argument("--quick", action="store_true")
+    gap.add_argument("--workloads", type=int, default=12, help="seeds to draw (those with 65-400 splits run)")
+    gap.add_argument("--first-seed", type=int, default=0)
+    gap.add_argument("--json", dest="json_out", default=None, metavar="OUT.json")
     args = ap.parse_args()
-    {"paper": paper, "sweep": sweep, "speed": speed, "table": table}[args.cmd](args)
+    cmds = {"paper": paper, "sweep": sweep, "speed": speed, "table": table, "random": random_workloads,
+            "static-gap": static_gap}
+    cmds[args.cmd](args)
 
 
 if __name__ == "__main__":

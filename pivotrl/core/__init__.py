@@ -4,19 +4,19 @@ Drivers use `Controller`; see docs/core-api.md.
 """
 
 from pivotrl.core.controller import Controller
+from pivotrl.core.modes import make_policy
 from pivotrl.core.policies import (
     Colocated,
     Disaggregated,
     Grouped,
     Manual,
     Policy,
-    Shiftable,
     ShiftPlan,
     best_static_split,
     bottleneck_cost,
-    make_policy,
     static_splits,
 )
+from pivotrl.core.shiftable import Shiftable
 from pivotrl.core.throughput import ThroughputModel
 from pivotrl.core.types import (
     PIPELINE,

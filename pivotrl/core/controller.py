@@ -13,7 +13,9 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from pivotrl.core import dispatcher
-from pivotrl.core.policies import Policy, ShiftPlan, make_policy
+from pivotrl.core.iteration import IterationMeter, IterationProfile
+from pivotrl.core.modes import make_policy
+from pivotrl.core.policies import Policy, ShiftPlan
 from pivotrl.core.shiftcost import ShiftCostModel
 from pivotrl.core.state import ClusterState
 from pivotrl.core.types import (
@@ -63,6 +65,10 @@ class Controller:
         self.last_reasoning: PlanReasoning | None = None
         self._next_id = 0
         self._pending: dict[str, tuple[float, tuple[DeviceMove, ...]]] = {}
+        # The iteration in progress, measured (finished lengths per role) so the policy can start the next
+        # one from what this one would have needed; `profiles` keeps every finished iteration's profile.
+        self.meter = IterationMeter()
+        self.profiles: list[IterationProfile] = []
         for d in devices:
             self.add_device(d, now)
 
@@ -75,12 +81,24 @@ class Controller:
         self._record(now, f"device_added:{device}", "device_added", extra={"device": device})
 
     def begin_iteration(self, plan: IterationPlan, now: float) -> None:
-        """Tell the planner the iteration's structure (so future work counts), and reset its counters."""
+        """Tell the planner the iteration's structure (so future work counts), and reset its counters. The
+        policy gets the measured profile of the iteration that just ended (`IterationProfile`), to choose
+        how to run this one."""
+        mode, predicted = self.policy.iteration_mode()
+        last = self.meter.profile(now, mode, predicted, self.shift_costs)
+        if last is not None:
+            self.profiles.append(last)
         self.state.plan = plan
         for r in self.state.roles:
             self.state.submitted[r] = 0
             self.state.finished[r] = 0
-        self._record(now, f"iteration:{plan.iteration}", "iteration", extra={"plan": plan.__dict__})
+        self.policy.on_iteration(self.state, self.shift_costs, last, now)
+        self.meter.begin(plan.iteration, now)
+        choice = getattr(self.policy, "choice", None)
+        extra: dict[str, Any] = {"plan": plan.__dict__}
+        if choice is not None:
+            extra["iteration_choice"] = choice.as_dict()
+        self._record(now, f"iteration:{plan.iteration}", "iteration", extra=extra)
 
     def submit(self, seqs: Iterable[Sequence], now: float) -> None:
         """New work: each sequence enters its role's shared queue (behind resumed work)."""
@@ -107,6 +125,7 @@ class Controller:
             self.state.update_progress(seq, generated)
         if payload is not None:
             seq.payload = payload
+        self.meter.observe(seq.role, float(seq.generated))
         self.state.finish(seq, now)
         return seq
 

@@ -7,7 +7,8 @@ controller executes it (Abort/Dispatch migration, bookkeeping, decision log). Po
   cluster switches only when the current stage has no work left (nor any coming from upstream).
 - `disaggregated`: a static split (given, or `best_static_split` over an analytic bottleneck model);
   stages stream into each other; devices never change role (a lost device's partners re-join their role).
-- `shiftable`: the five-step planner (`planner.plan`).
+- `shiftable` (`core/shiftable.py`): per iteration the plan with the lowest predicted makespan — a held
+  static split, colocated, or the five-step planner (`planner.plan`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import math
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
-from pivotrl.core import planner
 from pivotrl.core.shiftcost import ShiftCostModel
 from pivotrl.core.state import ClusterState
 from pivotrl.core.types import PIPELINE, PlanReasoning, ReplicaState, Role
@@ -45,6 +45,17 @@ class Policy:
 
     def plan(self, state: ClusterState, costs: ShiftCostModel, now: float) -> ShiftPlan | None:
         raise NotImplementedError
+
+    def on_iteration(self, state: ClusterState, costs: ShiftCostModel, last: object | None,
+                     now: float) -> None:
+        """A new iteration begins (`state.plan` is set); `last` is the `iteration.IterationProfile` core
+        measured of the previous one (None for the first). Only a policy that plans whole iterations
+        (`Shiftable`) uses it."""
+
+    def iteration_mode(self) -> tuple[str, float]:
+        """(plan this iteration runs, its predicted makespan in seconds; 0 when the policy predicts none),
+        recorded in the iteration's measured profile."""
+        return self.name, 0.0
 
     # -- shared helpers --------------------------------------------------------------------------------
     def _fill_split(self, state: ClusterState, split: Mapping[Role, int], stimulus: str) -> ShiftPlan | None:
@@ -216,30 +227,6 @@ class Manual(Policy):
         return ShiftPlan((), tuple(form), "manual:initial") if form else None
 
 
-class Shiftable(Policy):
-    name = "shiftable"
-
-    def __init__(self, initial_split: Mapping[Role | str, int] | None = None) -> None:
-        super().__init__(initial_split)
-        self.last: planner.PlanResult | None = None
-
-    def plan(self, state: ClusterState, costs: ShiftCostModel, now: float) -> ShiftPlan | None:
-        if self.initial_split and not state.replicas and state.free_devices():
-            return self._fill_split(state, self.initial_split, "initial")
-        result = planner.plan(state, costs, now)
-        self.last = result
-        if result.chosen is None or result.to_role is None:
-            return None
-        dissolve = tuple(d.replica_id for d in result.donors if d.replica_id is not None)
-        devices = [d.device for d in result.donors if d.device is not None]
-        for rid in dissolve:
-            devices.extend(state.replicas[rid].devices)
-        g = state.config.devices_per_replica(result.to_role)
-        form = tuple((result.to_role, tuple(devices[i:i + g])) for i in range(0, len(devices) - g + 1, g))
-        tau_u = result.reasoning.tau.get(str(result.to_role), 0.0)
-        return ShiftPlan(dissolve, form, f"planner:tau[{result.to_role}]={tau_u:.3g}", result.reasoning)
-
-
 # ------------------------------------------------------------------------------------------------------
 # Static splits
 # ------------------------------------------------------------------------------------------------------
@@ -354,39 +341,3 @@ def default_split(state: ClusterState) -> dict[Role, int]:
                 out[r] = gs[r]
                 left -= gs[r]
         return out
-
-
-#: The static grouping `make_policy` uses for a disaggregated run on fewer devices than roles: the best
-#: 2-device grouping of the CPU paradigms benchmark (rollout alone; reward and train time-share a device).
-DEFAULT_GROUPS: tuple[tuple[Role, ...], ...] = ((Role.ROLLOUT,), (Role.REWARD, Role.TRAIN))
-
-
-def make_policy(mode: str, *, static_split: Mapping[Role | str, int] | None = None,
-                initial_split: Mapping[Role | str, int] | None = None,
-                groups: list[tuple[tuple[Role | str, ...], int]] | None = None,
-                n_devices: int | None = None,
-                initial_roles: list[Role | str] | None = None) -> Policy:
-    """`colocated` | `disaggregated` | `shiftable` | `grouped` | `manual`.
-
-    `disaggregated` is a static split (`static_split`, or searched) when every role can have a device, and
-    the static grouping `groups` otherwise: given `groups`, or given neither a split nor enough devices
-    (`n_devices` below the number of roles) the `DEFAULT_GROUPS`, one device per group but the last, which
-    takes the rest. `grouped` needs `groups`; `manual` places devices on `initial_roles` in join order. A
-    bad mode is a ValueError; the config layer already restricts it."""
-    if mode == "disaggregated" and static_split is None and (
-            groups or (n_devices is not None and n_devices < len(PIPELINE))):
-        mode = "grouped"
-        groups = groups or [(g, 1) for g in DEFAULT_GROUPS]
-    if mode == "grouped":
-        if not groups:
-            raise ValueError("mode 'grouped' needs groups=[(roles, devices), ...]")
-        return Grouped(groups)
-    if mode == "manual":
-        return Manual(initial_roles if initial_roles is not None else (Role.ROLLOUT,))
-    if mode == "colocated":
-        return Colocated(initial_split)
-    if mode == "disaggregated":
-        return Disaggregated(static_split)
-    if mode == "shiftable":
-        return Shiftable(initial_split)
-    raise ValueError(f"unknown scheduler mode {mode!r}; choose colocated, disaggregated or shiftable")

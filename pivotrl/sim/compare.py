@@ -2,20 +2,22 @@
 
 The best static (disaggregated) split is the config's `static_split` when it names one. Otherwise it is
 searched over every split of the cluster into whole replicas: all of them are simulated when there are at
-most `search.exhaustive_max_splits`; otherwise every split is ranked by an analytic estimate (the slowest
-role's fluid time), the best `top_k` are simulated and a hill-climb over neighbouring splits (one replica
-moved between two roles) continues until no neighbour improves. Both the candidate count and the method
+most `search.exhaustive_max_splits`; otherwise every split is ranked by core's iteration model
+(`model_ranked`), the best `top_k` are simulated and a hill-climb over neighbouring splits (one replica
+moved between two roles) continues until no neighbour improves or `search.max_simulations` splits were
+simulated. Both the candidate count and the method
 are reported.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
 from pivotrl.sim.config import ROLES, SimConfig
 from pivotrl.sim.engine import SimResult, Simulator
-from pivotrl.sim.fluid import fluid_bound, latency_bound, work_per_iteration
+from pivotrl.sim.fluid import fluid_bound, latency_bound
 
 
 def simulate(cfg: SimConfig, mode: str, split: dict[str, int] | None = None,
@@ -74,11 +76,31 @@ def all_groupings(cfg: SimConfig) -> list[dict[str, int]]:
     return out
 
 
-def analytic_time(cfg: SimConfig, split: dict[str, int], work: dict[str, float]) -> float:
-    """Pipelined estimate of one iteration under a static split: the slowest stage dominates, plus the
-    fill/drain of the other stages (a crude but monotone ranking key)."""
-    t = {r: work[r] / max(split[r], 1) for r in ROLES}
-    return max(t.values()) + 0.25 * (sum(t.values()) - max(t.values()))
+def model_ranked(cfg: SimConfig, splits: list[dict[str, int]]) -> list[dict[str, int]]:
+    """Splits from best to worst by core's own iteration model (`pivotrl.core.iteration`), fed with the
+    workload's true lengths of iteration 0 (the baseline may know everything core would measure) and the
+    profile's step-time lines: a much closer ranking than the bottleneck estimate, since it prices each
+    stage's longest item and the pipeline's fill and drain."""
+    import numpy as np
+
+    from pivotrl.core.iteration import IterationProfile, RoleProfile, stages, static_makespans
+    from pivotrl.core.types import Role
+    from pivotrl.sim.driver import build_controller, iteration_plan
+    from pivotrl.sim.workload import iteration_sequences
+
+    ctl = build_controller(cfg, "disaggregated")
+    ctl.state.plan = iteration_plan(cfg, 0)
+    seqs = iteration_sequences(cfg.workload, 0, cfg.seed)
+    lens = {Role.ROLLOUT: [x.response_len for x in seqs], Role.REWARD: [x.critique_len for x in seqs],
+            Role.TRAIN: [x.prompt_len + x.response_len for x in seqs]}
+    roles = {r: RoleProfile(len(v), float(np.mean(v)), float(max(v))) for r, v in lens.items()}
+    prof = IterationProfile(0, 0.0, "static", 0.0, roles)
+    st = stages(ctl.state, ctl.shift_costs, prof)
+    if st is None:
+        return list(splits)
+    reps = {r: np.asarray([s[str(r)] // st[r].g for s in splits], dtype=float) for r in st}
+    t = static_makespans(st, reps)
+    return [splits[i] for i in np.argsort(t, kind="stable")]
 
 
 def _key(split: dict[str, int]) -> tuple[int, int, int]:
@@ -111,9 +133,8 @@ def best_static(cfg: SimConfig, log: Any = None) -> tuple[SimResult, dict[str, A
         for s in splits:
             run(s)
     else:
-        method = f"analytic top-{cfg.search.top_k} + hill-climb"
-        work = work_per_iteration(cfg)
-        ranked = sorted(splits, key=lambda s: analytic_time(cfg, s, work))
+        method = f"model top-{cfg.search.top_k} + hill-climb (at most {cfg.search.max_simulations} simulated)"
+        ranked = model_ranked(cfg, splits)
         for s in ranked[: cfg.search.top_k]:
             run(s)
         valid = {_key(s) for s in splits}
@@ -132,7 +153,9 @@ def best_static(cfg: SimConfig, log: Any = None) -> tuple[SimResult, dict[str, A
                     if src == dst:
                         continue
                     for step in steps:
-                        moved = g[src] * step
+                        if len(cache) >= cfg.search.max_simulations:
+                            break   # the cap holds inside a round too (a round is up to 6 x steps runs)
+                        moved = math.lcm(g[src], g[dst]) * step   # whole replicas on both sides
                         cand = dict(best)
                         cand[src] -= moved
                         cand[dst] += moved
@@ -203,5 +226,18 @@ def compare(cfg: SimConfig, log: Any = None) -> dict[str, Any]:
     out["fraction_of_fluid_bound"] = shift.tokens_per_s_per_device / fluid["tokens_per_s_per_device"]
     tight_tps = tight["tokens_per_s_per_device"]
     out["fraction_of_fluid_and_latency_bound"] = shift.tokens_per_s_per_device / tight_tps
+    # Item 5 of issue #14: every paradigm against both bounds and the tighter of the two (per iteration the
+    # larger makespan of fluid and critical path: the physical limit on-policy).
+    tokens = shift.tokens
+    chain_tps = tokens / tight["chain_makespan_s"] / cfg.cluster.devices if tight["chain_makespan_s"] else 0.0
+    out["tokens_per_s_per_device"]["critical_path_bound"] = chain_tps
+    out["tokens_per_s_per_device"]["tighter_bound"] = tight_tps
+    out["fraction_of_critical_path_bound"] = shift.tokens_per_s_per_device / chain_tps if chain_tps else 0.0
+    out["fraction_of_tighter_bound"] = shift.tokens_per_s_per_device / tight_tps
+    out["paradigms_vs_bounds"] = {
+        name: {"fraction_of_fluid_bound": r.tokens_per_s_per_device / fluid["tokens_per_s_per_device"],
+               "fraction_of_critical_path_bound": r.tokens_per_s_per_device / chain_tps if chain_tps else 0.0,
+               "fraction_of_tighter_bound": r.tokens_per_s_per_device / tight_tps}
+        for name, r in (("colocated", colo), ("best_static", static), ("shiftable", shift))}
     out["_results"] = {"colocated": colo, "best_static": static, "shiftable": shift}
     return out

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from pivotrl.core import IterationPlan, Role, RoleSpec
 from pivotrl.core.dispatcher import dispatch_all
-from pivotrl.core.planner import donor_penalty, plan, role_views, tau
+from pivotrl.core.planner import critical_delay, donor_penalty, plan, role_views, tau
 from pivotrl.core.shiftcost import ShiftCostModel
 from pivotrl.core.state import ClusterState
 from pivotrl.core.throughput import ThroughputModel
@@ -141,10 +141,12 @@ def _brute_force(stt: ClusterState, costs: ShiftCostModel, now: float, u: Role) 
             if any(now - stt.device_shifted_at[x] < cfg.cooldown_s for x in rep.devices):
                 continue
             donors.append((d, views[d].g, donor_penalty(rep, views[d], costs, u,
-                                                       cfg.spec(d).prefill_tokens_per_s)))
+                                                       cfg.spec(d).prefill_tokens_per_s, views)))
     vu = views[u]
     max_x = math.floor(cfg.max_shift_fraction * len(stt.device_role) + 1e-9)
     per_device = 0.0 if vu.replicas == 0 else cfg.hysteresis * cfg.horizon_s
+    if vu.replicas > 0:  # a shift outlasting the horizon its benefit is counted over is never a candidate
+        donors = [dn for dn in donors if costs.duration(dn[0], u) <= cfg.horizon_s]
     best = best_clearing = None
     memo: dict = {}
     # u all that is left of the iteration: its gain is at least the barrier value (the slowest donor pool's
@@ -180,6 +182,7 @@ def _brute_force(stt: ClusterState, costs: ShiftCostModel, now: float, u: Role) 
         for r, k in ks.items():
             if r is not u and k:
                 gain -= processed(r, views[r].replicas) - processed(r, views[r].replicas - k)
+                gain -= float(critical_delay(views, r, u, np.asarray([k]))[0]) * len(stt.device_role)
         b = gain - sum(p for _, _, p in chosen)
         best = b if best is None else max(best, b)
         if b > max(per_device * x, 1e-12):
@@ -401,3 +404,18 @@ def test_upstream_donations_are_rate_limited_per_cooldown() -> None:
     assert keep_limit(views, Role.ROLLOUT, Role.TRAIN, 0.1) == 75   # no rate limit: 25 replicas hold all
     # to the next stage (reward) only the slack applies
     assert keep_limit(views, Role.ROLLOUT, Role.REWARD, 0.1, 0.2, 16) == 75
+
+
+@CI
+@given(seed=st.integers(0, 2**32 - 1))
+def test_no_shift_outlasts_the_horizon_unless_the_receiver_is_starving(seed: int) -> None:
+    """G is counted over H: a shift longer than H is never taken, except to give a role with work and no
+    replica its first one (it would wait forever otherwise)."""
+    stt, costs, now = random_state(seed)
+    res = plan(stt, costs, now)
+    if res.chosen is None or res.to_role is None:
+        return
+    if role_views(stt, stt.config.horizon_s, now)[res.to_role].replicas == 0:
+        return
+    for d in res.donors:
+        assert costs.duration(d.role, res.to_role) <= stt.config.horizon_s

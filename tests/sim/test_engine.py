@@ -76,9 +76,17 @@ def test_cli_simulate_prints_ratios_last(tmp_path: Path, capsys: pytest.CaptureF
     assert main(args) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     keys = json.loads(last)
-    assert set(keys) == {"ratio_vs_colocated", "ratio_vs_best_static", "fraction_of_fluid_bound"}
+    assert set(keys) == {"ratio_vs_colocated", "ratio_vs_best_static", "fraction_of_fluid_bound",
+                         "fraction_of_critical_path_bound", "fraction_of_tighter_bound"}
     rep = json.loads(out.read_text())
     assert rep["fraction_of_fluid_bound"] <= 1.0 + 1e-9
+    # the tighter bound is the larger makespan of the two, so no paradigm reaches beyond it
+    tps = rep["tokens_per_s_per_device"]
+    assert tps["tighter_bound"] <= min(tps["fluid_bound"], tps["critical_path_bound"]) + 1e-9
+    for row in rep["paradigms_vs_bounds"].values():
+        assert row["fraction_of_tighter_bound"] <= 1.0 + 1e-9
+        assert row["fraction_of_tighter_bound"] >= max(row["fraction_of_fluid_bound"],
+                                                       row["fraction_of_critical_path_bound"]) - 1e-9
     assert rep["tokens_per_s_per_device"]["fluid_bound"] >= max(
         rep["tokens_per_s_per_device"][k] for k in ("colocated", "best_static", "shiftable"))
     assert rep["allocation"]["shiftable"]["segments"] and png.stat().st_size > 10_000

@@ -1,0 +1,288 @@
+"""What the planner reads of each role, and the donor rules (DESIGN §4 steps 1-2).
+
+`RoleView` holds one role's aggregates at planning time and its throughput/processed-work model over a
+replica count; `keep_limit` says how many replicas a role may give up. Split from `planner` so each module
+has one responsibility: this one *describes* the roles, `planner` *chooses* a shift.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from pivotrl.core.state import ClusterState
+from pivotrl.core.types import PIPELINE, ReplicaState, Role
+
+
+@dataclass(frozen=True)
+class RoleView:
+    """Aggregates of one role at planning time (all O(1) reads of the state, plus O(I_r) for rates)."""
+
+    role: Role
+    g: int
+    replicas: int          # active + shifting (shifting ones will serve soon)
+    rate: float            # Σ f_i(n_i) over active replicas, tokens/s
+    seqs: float            # live sequences (waiting + running)
+    work: float            # expected remaining tokens of live sequences
+    arriving_seqs: float   # sequences upstream will hand over within H
+    arriving_work: float   # their tokens
+    a: float
+    b: float
+    k: float               # work per sequence per step (1 for decode)
+    cap: float             # sequences per replica (slots, and KV at the role's mean footprint)
+    weight: float          # device-seconds per token at peak
+    horizon: float
+    donated: int = 0       # replicas this role gave up in shifts within the last cooldown_s
+    done: bool = False     # no live work and none can still reach it this iteration (idle until the next)
+
+    def throughput(self, m: float) -> float:
+        """Tokens/s of `m` replicas holding this role's sequences, spread evenly (role-shared fit)."""
+        n = self.seqs + self.arriving_seqs
+        if m <= 0 or n <= 0:
+            return 0.0
+        busy = min(m, n)
+        conc = min(self.cap, n / busy)
+        x = conc * self.k
+        return busy * x / (self.a + self.b * x)
+
+    def step_many(self, ms: np.ndarray) -> np.ndarray:
+        """Engine step time with the role's sequences spread evenly over `ms` replicas."""
+        n = self.seqs + self.arriving_seqs
+        busy = np.minimum(ms.astype(float), n)
+        conc = np.where(busy > 0, np.minimum(self.cap, n / np.maximum(busy, 1e-12)), 0.0)
+        return self.a + self.b * conc * self.k
+
+    def throughput_many(self, ms: np.ndarray) -> np.ndarray:
+        n = self.seqs + self.arriving_seqs
+        ms = ms.astype(float)
+        if n <= 0:
+            return np.zeros_like(ms)
+        busy = np.minimum(ms, n)
+        conc = np.minimum(self.cap, n / np.maximum(busy, 1e-12))
+        x = conc * self.k
+        return np.where(ms > 0, busy * x / (self.a + self.b * x), 0.0)
+
+    def processed(self, m: float) -> float:
+        """Device-seconds of work done over H by `m` replicas, softly capped by the work available.
+
+        W·(1 − exp(−T·H/W)) is the expected work done when the sequences' remaining lengths are spread
+        (exponentially) around their mean: ≈ T·H while work is plentiful, → W when it is scarce, and never
+        flat before W — so finishing a tail sooner (more replicas, shorter steps) still counts, and packing a
+        tail onto fewer replicas is never free. Concave in m, which keeps the DP exact and monotone.
+        """
+        total = self.work + self.arriving_work
+        if total <= 0:
+            return 0.0
+        return total * -math.expm1(-self.throughput(m) * self.horizon / total) * self.weight
+
+    def processed_many(self, ms: np.ndarray) -> np.ndarray:
+        thr = self.throughput_many(ms)
+        total = self.work + self.arriving_work
+        if total <= 0:
+            return np.zeros_like(ms)
+        return total * -np.expm1(-thr * self.horizon / total) * self.weight
+
+
+def role_views(state: ClusterState, horizon: float, now: float = 0.0) -> dict[Role, RoleView]:
+    cfg = state.config
+    base: dict[Role, dict] = {}
+    for role in state.roles:
+        spec = cfg.spec(role)
+        model = state.role_models[role]
+        reps = state.by_role[role]
+        rate = 0.0
+        for rep in reps.values():
+            if rep.state is ReplicaState.ACTIVE and rep.running:
+                rate += rep.model.rate(rep.n)
+        n = state.n_seqs[role]
+        mean_kv = state.kv_sum[role] / n if n else 0.0
+        cap = float(spec.max_seqs)
+        if mean_kv > 0:
+            cap = max(1.0, min(cap, math.floor(spec.kv_tokens / mean_kv)))
+        peak = model.rate(spec.max_seqs)
+        base[role] = dict(role=role, g=spec.devices_per_replica, replicas=len(reps), rate=rate, seqs=float(n),
+                          work=max(state.remaining[role], 0.0), a=model.a, b=model.b,
+                          k=model.tokens_per_seq_step, cap=cap,
+                          weight=spec.devices_per_replica / peak if peak > 0 else 0.0, horizon=horizon,
+                          donated=state.donated_since(role, now - cfg.cooldown_s))
+    _add_upstream(state, base, horizon)
+    _mark_done(state, base)
+    return {r: RoleView(**v) for r, v in base.items()}
+
+
+def _mark_done(state: ClusterState, base: dict[Role, dict]) -> None:
+    """A role is *done* for the iteration when it and every role upstream of it hold no live sequence and
+    every rollout the plan announced was submitted: nothing can reach it before the next iteration starts.
+    (Without an `IterationPlan` more rollouts may come at any time: no role is done.)"""
+    plan = state.plan
+    if plan is None or not all(r in base for r in PIPELINE):
+        return
+    if plan.rollout_seqs > state.submitted[PIPELINE[0]]:
+        return
+    for role in PIPELINE:
+        if state.n_seqs[role] > 0:
+            return
+        base[role]["done"] = True
+
+
+def drain_value(vu: RoleView, ks: np.ndarray, n_devices: int, shift_s: float,
+                cooldown_s: float) -> np.ndarray:
+    """Value (device-seconds) of `ks` more replicas for `vu` when it is the last role with work this
+    iteration: on-policy, the next iteration starts only when `vu` drains, so every device of the cluster
+    waits on it and finishing `saving` seconds sooner is worth n_devices × saving. The new replicas serve
+    after `shift_s`; a moved device may not move again for `cooldown_s` after it lands, so what of that lock
+    outlasts the drain is charged (it holds the device back from the next iteration's first stage).
+
+    The soft-capped work over H (`processed`) misses this: with the whole drain inside H, one more replica
+    adds almost no *work* over H, yet it ends the iteration sooner for everyone."""
+    total = vu.work + vu.arriving_work
+    before = vu.throughput(vu.replicas)
+    if total <= 0 or before <= 0 or total / before <= shift_s:
+        return np.zeros(ks.shape)
+    tau0 = total / before
+    after = shift_s + (total - before * shift_s) / np.maximum(vu.throughput_many(vu.replicas + ks), 1e-300)
+    saving = np.maximum(tau0 - after, 0.0)
+    lock = np.maximum(shift_s + cooldown_s - after, 0.0) * ks * vu.g
+    return n_devices * saving - lock
+
+
+def _add_upstream(state: ClusterState, base: dict[Role, dict], horizon: float) -> None:
+    """Work each role will receive within H from upstream, at the current allocation (pipeline order)."""
+    for v in base.values():
+        v["arriving_seqs"] = 0.0
+        v["arriving_work"] = 0.0
+    plan = state.plan
+    if plan is None or not all(r in base for r in PIPELINE):
+        return
+    ro, rw, tr = (base[r] for r in PIPELINE)
+    unsubmitted = max(plan.rollout_seqs - state.submitted[Role.ROLLOUT], 0)
+    ro["arriving_seqs"] = float(unsubmitted)
+    ro["arriving_work"] = unsubmitted * plan.rollout_tokens_per_seq
+
+    def completions(v: dict) -> float:
+        view = RoleView(**v)
+        total_work = view.work + view.arriving_work
+        total_seqs = view.seqs + view.arriving_seqs
+        if total_work <= 0 or total_seqs <= 0:
+            return 0.0
+        frac = min(1.0, view.throughput(view.replicas) * horizon / total_work)
+        return frac * total_seqs
+
+    done_rollouts = completions(ro)
+    rw["arriving_seqs"] = done_rollouts
+    rw["arriving_work"] = done_rollouts * plan.reward_tokens_per_rollout
+    groups = completions(rw) / max(plan.group_size, 1)
+    tr_tokens = groups * plan.train_tokens_per_group
+    per_item = (tr["work"] / tr["seqs"]) if tr["seqs"] > 0 else plan.train_tokens_per_group / max(
+        plan.group_size, 1)
+    tr["arriving_work"] = tr_tokens
+    tr["arriving_seqs"] = tr_tokens / per_item if per_item > 0 else 0.0
+
+
+def tau(views: dict[Role, RoleView]) -> dict[Role, float]:
+    out = {}
+    for r, v in views.items():
+        if v.work <= 0:
+            out[r] = 0.0
+        elif v.rate <= 0:
+            out[r] = math.inf
+        else:
+            out[r] = v.work / v.rate
+    return out
+
+
+def keep_limit(views: dict[Role, RoleView], role: Role | None, to_role: Role | None = None,
+               slack: float = 0.1, rate: float = 1.0, floor: float = 0.0, ahead_factor: float = 0.0) -> int:
+    """How many replicas role `role` may give up to `to_role`.
+
+    * All but one while it has (or is about to get) work, so a plan never strands sequences.
+    * Upstream first: a role upstream of the receiver (rollout for reward or train, reward for train) gives
+      up only spare capacity: replicas whose loss leaves room for all its sequences (nothing queues) and
+      costs it at most `slack` of its throughput and of its step time (idle replicas, a tail spread
+      thinly). Everything
+      downstream waits on upstream output, so while rollout can keep its devices busy, taking them only
+      delays the whole iteration; its tail's spare capacity is what flows downstream.
+      Or, for a role of fewer than 1/`slack` replicas (where no busy replica is ever spare), replicas
+      whose loss leaves it still holding all its sequences and draining within `ahead_factor` × the
+      receiver's drain time with the gift (the receiver stays busy longer than the slower upstream runs).
+    * Within one cooldown a role two stages upstream (rollout for train) gives up at most
+      max(`rate` × the replicas it had, `floor`) replicas it could keep busy (a bound that does not trust
+      the fit; see ControllerConfig.upstream_rate).
+    * A downstream donor gives up no more than keeps it from becoming the new bottleneck: its drain time
+      τ_d(m_d − k) may only grow up to the receiver's with one more replica, τ_u(m_u + 1).
+    """
+    if role is None:
+        return 1 << 30
+    v = views[role]
+    limit = v.replicas - 1 if v.seqs + v.arriving_seqs > 0 else v.replicas
+    if to_role is None or limit <= 0:
+        return max(limit, 0)
+    work_d = v.work + v.arriving_work
+    if work_d <= 0:
+        return limit
+    ms = np.arange(v.replicas, v.replicas - limit - 1, -1)
+    thr = v.throughput_many(ms)
+    # Spare: the remaining replicas still hold every sequence (nothing queues), at ≤ `slack` cost in
+    # throughput and in step time (each sequence's speed: a long-tailed stage ends with its longest one),
+    # both against the current allocation's own step time, not an unloaded one, so the tail's spare capacity
+    # flows downstream while rollout runs (see docs/decisions.md#spare-is-judged-against-the-current-step).
+    step = v.step_many(ms)
+    # The slack compounds per tick (judged against the current allocation); the count bound below is what
+    # stops it at scale (see docs/decisions.md#the-slack-compounds-per-tick).
+    spare = ((ms * v.cap >= v.seqs + v.arriving_seqs) & (thr >= thr[0] * (1 - slack))
+             & (step <= step[0] * (1 + slack)))
+    ref_m = v.replicas + v.donated
+    upstream = role in PIPELINE and to_role in PIPELINE and PIPELINE.index(role) < PIPELINE.index(to_role)
+    if upstream:
+        # ... or the upstream role stays ahead: after giving k replicas its drain time is still well within
+        # the receiver's (with those k replicas' devices), so the receiver has queued work for as long as
+        # the slower upstream runs and the iteration's critical path does not move. (2 devices, 3 roles:
+        # once rollout's tail fits on one device the other judges the finished rollouts.)
+        vu = views[to_role]
+        gained = (v.replicas - ms) * v.g // max(vu.g, 1)
+        tau_d = work_d / np.maximum(thr, 1e-300)
+        tau_u = (vu.work + vu.arriving_work) / np.maximum(vu.throughput_many(vu.replicas + gained), 1e-300)
+        ahead = (ms * v.cap >= v.seqs + v.arriving_seqs) & (tau_d <= ahead_factor * tau_u) & (ms > 0)
+        # Only where one replica is more than `slack` of the role: there no busy replica can ever be spare;
+        # with many replicas the slack rule resolves (see docs/decisions.md#upstream-ahead).
+        ok = spare | ahead if v.replicas * slack < 1.0 else spare
+        # Rate limit, independent of the throughput fit: within a cooldown a role two stages upstream
+        # (rollout for train) gives up at most `rate` of the replicas it had (at least `floor`), beyond
+        # replicas it cannot keep busy; not rollout -> reward, which it would slow
+        # (see docs/decisions.md#upstream-rate).
+        if PIPELINE.index(to_role) - PIPELINE.index(role) >= 2:
+            ok = ok & ((ref_m - ms <= max(rate * ref_m, floor)) | (ms >= v.seqs + v.arriving_seqs))
+    else:
+        vu = views[to_role]
+        tau_u = (vu.work + vu.arriving_work) / max(vu.throughput(vu.replicas + 1), 1e-300)
+        ok = (thr >= thr[0] * (1 - 1e-12)) | (work_d <= tau_u * thr)
+    ok[0] = True  # giving nothing is always allowed
+    bad = np.flatnonzero(~ok)
+    return int(bad[0] - 1) if bad.size else limit
+
+
+def critical_delay(views: dict[Role, RoleView], role: Role, to_role: Role, ks: np.ndarray) -> np.ndarray:
+    """Seconds by which giving `ks` replicas of `role` to `to_role` delays the end of the iteration through
+    `role`'s longest live items (issue #14: an on-policy iteration ends when its longest sequence does).
+
+    With fewer replicas each keeps more items, so every decode step — and so every token of the longest
+    item — takes longer: its remaining time is L × step(m − k), L the mean remaining tokens of the live
+    items (the longest has at least that many). It delays the iteration only where it outlasts both the
+    current allocation's and the receiver's own drain (downstream is busy until then anyway). Only an
+    upstream role with live work delays what follows it; 0 for every other donor. Multiply by the
+    cluster's devices for device-seconds: on-policy the whole cluster waits at the barrier."""
+    v = views[role]
+    upstream = role in PIPELINE and to_role in PIPELINE and PIPELINE.index(role) < PIPELINE.index(to_role)
+    items = v.seqs + v.arriving_seqs
+    if not upstream or items <= 0 or v.k != 1.0:
+        return np.zeros(ks.shape)
+    left = (v.work + v.arriving_work) / items
+    ms = np.maximum(v.replicas - ks, 0)
+    t_now = left * float(v.step_many(np.asarray([v.replicas]))[0])
+    t_after = np.where(ms > 0, left * v.step_many(ms), math.inf)
+    vu = views[to_role]
+    gift = ks * v.g // max(vu.g, 1)
+    tau_u = (vu.work + vu.arriving_work) / np.maximum(vu.throughput_many(vu.replicas + gift), 1e-300)
+    return np.maximum(t_after - np.maximum(t_now, tau_u), 0.0)
