@@ -33,3 +33,18 @@ def check_storage_root(path: object) -> str:
     if os.path.exists(path) and not os.path.isdir(path):
         raise ValueError(f"storage root {path} exists and is not a directory")
     return path
+
+
+def check_output(output: object, inputs: list[object], what: str) -> None:
+    """Refuse an output path that is one of the command's inputs (`simulate X.yaml --json X.yaml` would
+    replace the user's config with the report). Compared after resolving links and relative parts."""
+    import os
+
+    if output is None:
+        return
+    out = os.path.realpath(str(output))
+    for inp in inputs:
+        if inp is not None and os.path.realpath(str(inp)) == out:
+            from pivotrl.errors import UserError
+
+            raise UserError(f"{what} {output}: is an input of this command; write the output elsewhere")

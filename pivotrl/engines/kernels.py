@@ -14,6 +14,7 @@ the equivalent torch ops, so nothing depends on the kernels being present.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -29,6 +30,34 @@ def enabled_by_env() -> bool:
     return os.environ.get("PIVOTRL_NATIVE_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+def _clear_stale_build_lock(name: str) -> contextlib.AbstractContextManager[object]:
+    """Hold pivotrl's own build lease for `name` and drop torch's build `lock` file if one is there.
+
+    Why: torch's extension build marks itself with a plain `lock` file and every later build of the same
+    extension waits on it forever; a builder killed mid-build (a SIGKILLed driver, a test timeout) leaves it
+    behind and every run after hangs. Every pivotrl builder holds this `flock` for the whole build, and the
+    kernel drops an `flock` when its holder dies, so whoever holds it knows no live builder owns the file.
+    """
+    import fcntl
+
+    from torch.utils.cpp_extension import _get_build_directory
+
+    build_dir = Path(_get_build_directory(name, False))
+    build_dir.mkdir(parents=True, exist_ok=True)
+
+    @contextlib.contextmanager
+    def held():
+        with open(build_dir / "pivotrl-build.lease", "w") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)  # waits for a live builder in another process
+            stale = build_dir / "lock"
+            if stale.exists():
+                log.warning("removing a stale torch extension build lock left by a dead build: %s", stale)
+                stale.unlink(missing_ok=True)
+            yield None
+
+    return held()
+
+
 def _build() -> object | None:
     try:
         from torch.utils.cpp_extension import load
@@ -38,7 +67,8 @@ def _build() -> object | None:
         # TORCH_EXTENSIONS_DIR.
         flags = ["-O3", "-march=native"]
         sources = [str(p) for p in _SOURCES]
-        return load(name="pivotrl_decode_attention", sources=sources, extra_cflags=flags, verbose=False)
+        with _clear_stale_build_lock("pivotrl_decode_attention"):
+            return load(name="pivotrl_decode_attention", sources=sources, extra_cflags=flags, verbose=False)
     except Exception as exc:  # no compiler / ninja / headers: the torch path is used instead
         log.warning(
             "pivotrl native decode kernel unavailable (%s: %s); using torch ops", type(exc).__name__, exc
