@@ -16,6 +16,7 @@ from pivotrl.errors import UserError
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "submit": ("pivotrl.submit", "run a pipeline on a Dask cluster"),
+    "validate": ("pivotrl.validate", "dry run: dataset, split, tokenizers, rendered prompts (no weights)"),
     "bootstrap": ("pivotrl.engines.bootstrap", "build the version-0 policy and GenRM judge"),
     "simulate": ("pivotrl.sim.cli", "simulate a workload under every deployment paradigm"),
     "plan": ("pivotrl.sim.plan_cli", "what-if table over paradigms and splits for a workload"),
