@@ -60,14 +60,18 @@ def demonstration(problem: Problem) -> str:
 
 
 def corrupt_final(response: str, rng: random.Random) -> str:
-    """`response` with its last number changed (a slip in the last step), or a wrong number appended."""
+    """`response` with its result changed wherever it is stated (after the first ``=`` and at the end), or
+    a wrong number appended. Why everywhere: a demonstration whose working says 19 and whose answer says 20
+    would teach the judge to compare the response with itself instead of with the reference."""
     m = _LAST_NUMBER.search(response)
     if m is None:
         return f"{response} {rng.randint(0, 99)}"
     value = m.group()
     number = float(value) if "." in value else int(value)
-    wrong = number + rng.choice([-10, -2, -1, 1, 2, 10])
-    return response[: m.start()] + str(wrong) + response[m.end() :]
+    wrong = str(number + rng.choice([-10, -2, -1, 1, 2, 10]))
+    cut = response.find("=") + 1  # the working's operands (before the first "=") are kept
+    tail = re.sub(rf"(?<![\d.]){re.escape(value)}(?!\d|\.\d)", wrong, response[cut:])
+    return response[:cut] + tail
 
 
 def rationale(problem: Problem, response: str, verifier: str) -> str:

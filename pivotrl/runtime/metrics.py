@@ -190,9 +190,10 @@ class IterationMeter:
         return "/".join(parts)
 
     def postfix(self, row: dict[str, Any]) -> str:
-        epochs = f"epoch {row['epochs']:.2f} " if "epochs" in row else ""
+        epochs = f"epoch {row['epochs']:.3f} " if "epochs" in row else ""  # a dataset's, drawn so far
+        agree = f"judge~verifier {row['judge_agreement']:.0f}% " if "judge_agreement" in row else ""
         return (
-            f"{epochs}reward {row['reward_mean']:.2f} acc {row['accuracy']:.0f}% "
+            f"{epochs}reward {row['reward_mean']:.2f} acc {row['accuracy']:.0f}% {agree}"
             f"{row['tokens_per_s']:.0f} tok/s roles[{self.allocation(row)}] shifts {row['shifts']}"
         )
 
