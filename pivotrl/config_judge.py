@@ -71,7 +71,8 @@ class JudgeConfig(Section):
 
     template: str | None = Field(
         None,
-        description="a prompt with {prompt} {response} {reference}, inline or a file path; None: built-in",
+        description="a prompt with {prompt} {response} {reference}, inline or a file path; None: built-in "
+        "(tagged for the synthetic tasks, a plain problem/reference/response prompt for a dataset)",
     )
     system_prompt: str | None = Field(None, description="a system message (needs a chat template)")
     chat_template: Literal["auto", "none"] = Field(

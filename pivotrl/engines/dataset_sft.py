@@ -20,6 +20,7 @@ from pivotrl.errors import UserError
 from pivotrl.tasks.base import Problem, normalize
 from pivotrl.tasks.verifiers import extract_answer, reference_answer
 
+DATA_FORMAT = 2  # bump when the SFT data construction changes, so cached dataset models are rebuilt
 _LAST_NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?!.*\d)", re.DOTALL)
 
 
@@ -41,6 +42,7 @@ def dataset_settings(cfg: Any, role: str) -> dict[str, Any]:
     """Every setting of a dataset task that shapes a bootstrap model's weights (its cache key)."""
     t = cfg.task
     out: dict[str, Any] = {
+        "format": DATA_FORMAT,
         "dataset": file_digest(t.dataset),
         "eval_dataset": file_digest(t.eval_dataset),
         "split": [t.on_bad_row, t.eval_fraction, t.verifier],
@@ -94,7 +96,9 @@ def policy_data(
 def judge_data(
     task: Any, renderer: Any, problems: list[Problem], eos: int, seed: int
 ) -> list[tuple[list[int], list[int]]]:
-    """(rendered judge prompt, critique + ``verdict: yes|no`` + <eos>), half of them about wrong answers.
+    """(rendered judge prompt, critique + ``verdict: yes|no`` + <eos>), half of them about wrong answers:
+    near misses (`corrupt_final`) and another problem's demonstration (numbers unrelated to the reference,
+    like a weak policy's), so the critique must copy the response's answer rather than echo the reference.
     The configured parser must read the two verdicts as 1 and 0, or the bootstrap judge would be trained to
     write what the run cannot parse."""
     if not task.measurable:
@@ -106,7 +110,13 @@ def judge_data(
     out = []
     for p in problems:
         good = demonstration(p)
-        response = good if rng.random() < 0.5 else corrupt_final(good, rng)
+        u = rng.random()
+        if u < 0.5:
+            response = good
+        elif u < 0.75:
+            response = corrupt_final(good, rng)
+        else:
+            response = demonstration(problems[rng.randrange(len(problems))])
         ok = task.verify(p, response)
         text = f"{rationale(p, response, task.verifier)} verdict: {'yes' if ok else 'no'}"
         if renderer.read(text) != (1.0 if ok else 0.0):

@@ -7,8 +7,9 @@ has one (``chat_template: auto``) and is then encoded *without* adding special t
 its own ``<bos>``, as `transformers`' ``apply_chat_template(tokenize=True)`` does); without a template it
 is encoded as plain text with the tokenizer's special tokens (today's synthetic tasks, unchanged).
 
-The judge's user message is the built-in tagged template of the synthetic tasks, or the config's
-``reward.judge.template`` filled with ``{prompt}`` ``{response}`` ``{reference}``.
+The judge's user message is the config's ``reward.judge.template`` filled with ``{prompt}`` ``{response}``
+``{reference}``; without one, the built-in tagged template for the synthetic tasks (unchanged) and
+`DATASET_JUDGE_TEMPLATE` for a dataset.
 """
 
 from __future__ import annotations
@@ -27,6 +28,11 @@ from pivotrl.engines.genrm import (
 )
 from pivotrl.errors import UserError
 from pivotrl.tasks.base import Problem
+
+DATASET_JUDGE_TEMPLATE = (
+    "Problem: {prompt}\nReference answer: {reference}\nResponse: {response}\n"
+    "Is the response's final answer correct?"
+)
 
 
 @dataclass(frozen=True)
@@ -82,7 +88,12 @@ class PromptRenderer:
     @classmethod
     def from_config(cls, cfg: Any, policy_tokenizer: Any, judge_tokenizer: Any) -> PromptRenderer:
         ro, jd = cfg.rollout, cfg.reward.judge
-        template = JudgeTemplate() if jd.template is None else load_template(jd.template)
+        if jd.template is not None:
+            template: JudgeTemplate | PromptTemplate = load_template(jd.template)
+        elif cfg.task.dataset is not None:
+            template = PromptTemplate(DATASET_JUDGE_TEMPLATE)
+        else:
+            template = JudgeTemplate()
         return cls(
             policy=chat_side(
                 "rollout", policy_tokenizer, ro.chat_template, ro.system_prompt, ro.chat_template_kwargs
