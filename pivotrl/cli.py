@@ -37,8 +37,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     chosen = next((a for a in argv if not a.startswith("-")), None)
     if chosen is not None and chosen not in SUBCOMMANDS:
-        print(f"pivotrl-pipeline: unknown command {chosen!r}; choose from {', '.join(SUBCOMMANDS)}",
-              file=sys.stderr)
+        print(
+            f"pivotrl-pipeline: unknown command {chosen!r}; choose from {', '.join(SUBCOMMANDS)}",
+            file=sys.stderr,
+        )
         return 2
     parser = build_parser(only=chosen)
     try:

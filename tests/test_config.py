@@ -138,7 +138,10 @@ def test_scheduler_priors_load_and_validate(tmp_path):
     cfg = load_config(None)
     p = cfg.scheduler.priors
     assert (p.rollout_step_a_s, p.rollout_step_b_s, p.reward_step_a_s, p.reward_step_b_s) == (
-        0.01, 0.0005, 0.01, 0.0005
+        0.01,
+        0.0005,
+        0.01,
+        0.0005,
     )
     assert (p.train_step_a_s, p.train_step_b_s, p.shift_s) == (0.01, 0.0002, 1.0)
     for name, info in SchedulerPriors.model_fields.items():
@@ -148,9 +151,13 @@ def test_scheduler_priors_load_and_validate(tmp_path):
     cfg = load_config(f, overrides=["scheduler.priors.rollout_step_b_s=0"])
     assert cfg.scheduler.priors.train_step_b_s == 0.001 and cfg.scheduler.priors.shift_s == 2.5
     assert cfg.scheduler.priors.rollout_step_b_s == 0.0
-    for bad in ("scheduler.priors.rollout_step_a_s=0", "scheduler.priors.shift_s=-1",
-                "scheduler.priors.train_step_b_s=-0.1", "scheduler.priors.reward_step_a_s=fast",
-                "scheduler.priors.step_c_s=1"):
+    for bad in (
+        "scheduler.priors.rollout_step_a_s=0",
+        "scheduler.priors.shift_s=-1",
+        "scheduler.priors.train_step_b_s=-0.1",
+        "scheduler.priors.reward_step_a_s=fast",
+        "scheduler.priors.step_c_s=1",
+    ):
         with pytest.raises(UserError) as exc:
             load_config(f, overrides=[bad])
         assert bad.split("=")[0] in str(exc.value) and "\n" not in str(exc.value)

@@ -20,8 +20,9 @@ from pivotrl.errors import UserError
 from pivotrl.tasks.base import Problem, normalize
 from pivotrl.tasks.verifiers import extract_answer, reference_answer
 
-DATA_FORMAT = 2  # bump when the SFT data construction changes, so cached dataset models are rebuilt
+DATA_FORMAT = 3  # bump when the SFT data construction changes, so cached dataset models are rebuilt
 _LAST_NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?!.*\d)", re.DOTALL)
+_ANY_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
 def file_digest(path: str | Path | None) -> str | None:
@@ -76,6 +77,30 @@ def corrupt_final(response: str, rng: random.Random) -> str:
     return response[:cut] + tail
 
 
+def _shift(value: str, rng: random.Random) -> str:
+    number = float(value) if "." in value else int(value)
+    return str(number + rng.choice([-10, -2, -1, 1, 2, 10]))
+
+
+def corrupt_answer_only(response: str, rng: random.Random) -> str:
+    """`response` with only its last number changed: the working and the answer then disagree, the way a
+    weak policy's often do."""
+    m = _LAST_NUMBER.search(response)
+    if m is None:
+        return f"{response} {rng.randint(0, 99)}"
+    return response[: m.start()] + _shift(m.group(), rng) + response[m.end() :]
+
+
+def corrupt_working(response: str, rng: random.Random) -> str:
+    """`response` with one number other than its last changed: the final answer (all the verifier reads)
+    stays, so a judge must not reject it for its working."""
+    numbers = list(_ANY_NUMBER.finditer(response))[:-1]
+    if not numbers:
+        return response
+    m = rng.choice(numbers)
+    return response[: m.start()] + _shift(m.group(), rng) + response[m.end() :]
+
+
 def rationale(problem: Problem, response: str, verifier: str) -> str:
     """The short critique a perfect judge writes before its verdict: the two answers side by side."""
     if verifier == "math":
@@ -96,9 +121,13 @@ def policy_data(
 def judge_data(
     task: Any, renderer: Any, problems: list[Problem], eos: int, seed: int
 ) -> list[tuple[list[int], list[int]]]:
-    """(rendered judge prompt, critique + ``verdict: yes|no`` + <eos>), half of them about wrong answers:
-    near misses (`corrupt_final`) and another problem's demonstration (numbers unrelated to the reference,
-    like a weak policy's), so the critique must copy the response's answer rather than echo the reference.
+    """(rendered judge prompt, critique + ``verdict: yes|no`` + <eos>), half of them about wrong answers.
+
+    Responses vary every way a weak policy's do — right answers with wrong working (`corrupt_working`),
+    near misses stated consistently (`corrupt_final`) or only in the answer (`corrupt_answer_only`), and
+    another problem's demonstration (numbers unrelated to the reference) — so the only thing that predicts
+    the verifier's label is the response's final answer against the reference: the critique must copy it
+    rather than echo the reference, and the verdict must compare the two.
     The configured parser must read the two verdicts as 1 and 0, or the bootstrap judge would be trained to
     write what the run cannot parse."""
     if not task.measurable:
@@ -111,12 +140,17 @@ def judge_data(
     for p in problems:
         good = demonstration(p)
         u = rng.random()
-        if u < 0.5:
+        if u < 0.35:
             response = good
-        elif u < 0.75:
+        elif u < 0.5:
+            response = corrupt_working(good, rng)
+        elif u < 0.65:
             response = corrupt_final(good, rng)
+        elif u < 0.8:
+            response = corrupt_answer_only(good, rng)
         else:
-            response = demonstration(problems[rng.randrange(len(problems))])
+            other = demonstration(problems[rng.randrange(len(problems))])
+            response = other if rng.random() < 0.5 else corrupt_working(other, rng)
         ok = task.verify(p, response)
         text = f"{rationale(p, response, task.verifier)} verdict: {'yes' if ok else 'no'}"
         if renderer.read(text) != (1.0 if ok else 0.0):
