@@ -71,6 +71,7 @@ def test_a_dataset_job_runs_with_chat_templates_and_a_configured_judge(job):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # a fresh bootstrap: ~170 s of CPU in two processes, more on a busy machine
 def test_the_worked_example_submits_for_three_iterations(tmp_path):
     """The acceptance command on a fresh storage root (bootstrap included: ~100 s of CPU)."""
     cmd = [
