@@ -17,6 +17,7 @@ from pivotrl.errors import UserError
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "submit": ("pivotrl.submit", "run a pipeline on a Dask cluster"),
+    "validate": ("pivotrl.validate", "dry run: dataset, split, tokenizers, rendered prompts (no weights)"),
     "bootstrap": ("pivotrl.engines.bootstrap", "build the version-0 policy and GenRM judge"),
     "simulate": ("pivotrl.sim.cli", "simulate a workload under every deployment paradigm"),
     "plan": ("pivotrl.sim.plan_cli", "what-if table over paradigms and splits for a workload"),
@@ -45,8 +46,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     chosen = next((a for a in argv if not a.startswith("-")), None)
     if chosen is not None and chosen not in SUBCOMMANDS:
-        print(f"pivotrl-pipeline: unknown command {chosen!r}; choose from {', '.join(SUBCOMMANDS)}",
-              file=sys.stderr)
+        print(
+            f"pivotrl-pipeline: unknown command {chosen!r}; choose from {', '.join(SUBCOMMANDS)}",
+            file=sys.stderr,
+        )
         return 2
     parser = build_parser(only=chosen)
     try:

@@ -10,55 +10,19 @@ pydantic models and load them through the same `load_config`.
 
 from __future__ import annotations
 
-import types
-import typing
 from pathlib import Path
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 import yaml
-from pydantic import (
-    AfterValidator,
-    BaseModel,
-    ConfigDict,
-    Field,
-    ValidationError,
-    ValidationInfo,
-    field_validator,
-    model_validator,
-)
+from pydantic import BaseModel, Field, ValidationError, model_validator
 
+from pivotrl.config_base import SafeName, Section, StorageRoot
+from pivotrl.config_judge import JudgeConfig, RegexVerdict, ScoreVerdict
 from pivotrl.errors import UserError
-from pivotrl.names import check_name, check_storage_root
+
+__all__ = ["JudgeConfig", "PipelineConfig", "RegexVerdict", "ScoreVerdict", "Section"]
 
 M = TypeVar("M", bound=BaseModel)
-
-
-def _wants_number(annotation: Any) -> bool:
-    if annotation in (int, float):
-        return True
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        return any(_wants_number(a) for a in typing.get_args(annotation))
-    return False
-
-
-class Section(BaseModel):
-    """Base of every config section: unknown keys are errors, assignments are validated, a boolean is
-    never taken for a number (`true` would otherwise be 1) and numbers must be finite."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _no_bool_for_number(cls, value: Any, info: ValidationInfo) -> Any:
-        field = cls.model_fields.get(info.field_name or "")
-        if isinstance(value, bool) and field is not None and _wants_number(field.annotation):
-            raise ValueError(f"a number is wanted, not the boolean {value}")
-        return value
-
-
-# A user name that becomes a path component (run directory, store model directory): see `pivotrl.names`.
-SafeName = Annotated[str, AfterValidator(check_name)]
-StorageRoot = Annotated[str, AfterValidator(check_storage_root)]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -89,8 +53,9 @@ class ModelRef(Section):
 
     name: SafeName = Field(..., description="name in the Global Parameter Storage (a path component)")
     size: Literal["debug", "small"] | None = Field(
-        None, description="not read: the bootstrap preset is train.sft.base_size / reward.sft.base_size; "
-        "any value is an error"
+        None,
+        description="not read: the bootstrap preset is train.sft.base_size / reward.sft.base_size; "
+        "any value is an error",
     )
     path: str | None = Field(None, description="a Hugging Face model directory; None: the bootstrap model")
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
@@ -106,11 +71,41 @@ class TaskConfig(Section):
     prompts_per_iteration: int = Field(32, ge=1)
     group_size: int = Field(4, ge=1)
     eval_prompts: int = Field(200, ge=0)
-    dataset: str | None = Field(None, description="not supported yet (a later issue wires datasets)")
+    dataset: str | None = Field(
+        None, description="a JSONL or parquet file of {prompt, answer, uid?, ...} rows; None: task.name"
+    )
     on_bad_row: Literal["error", "skip"] = Field(
-        "error", description="not supported yet: what a bad dataset row does (with `dataset`)"
+        "error", description="a bad dataset row: one error naming file:line, or skipped and counted"
+    )
+    eval_dataset: str | None = Field(None, description="the held-out rows (a file like task.dataset)")
+    eval_fraction: float = Field(
+        0.0, ge=0.0, lt=1.0, description="without eval_dataset: the share of task.dataset held out, by uid"
+    )
+    verifier: Literal["exact", "math", "none"] | None = Field(
+        None, description="dataset only (measures, never rewards); None: exact for a dataset"
+    )
+    generate: Literal["arith-word-problems"] | None = Field(
+        None, description="examples only: write task.dataset with this built-in generator when it is missing"
     )
     options: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _check_dataset_fields(self) -> TaskConfig:
+        """The dataset-only fields are errors without a dataset: a known key must never be ignored."""
+        if self.dataset is None:
+            for name in ("eval_dataset", "verifier", "generate"):
+                if getattr(self, name) is not None:
+                    raise ValueError(
+                        f"task.{name}: needs task.dataset (task.name {self.name!r} is synthetic)"
+                    )
+            if self.eval_fraction or self.on_bad_row != "error":
+                which = "eval_fraction" if self.eval_fraction else "on_bad_row"
+                raise ValueError(f"task.{which}: needs task.dataset (task.name={self.name!r} is synthetic)")
+        elif self.eval_dataset is not None and self.eval_fraction:
+            raise ValueError("task.eval_fraction: set task.eval_dataset or task.eval_fraction, not both")
+        elif self.options:
+            raise ValueError("task.options: synthetic tasks only (a dataset task has no options)")
+        return self
 
 
 class SamplingConfig(Section):
@@ -128,6 +123,13 @@ class EngineConfig(Section):
 class RolloutConfig(Section):
     sampling: SamplingConfig = SamplingConfig()
     engine: EngineConfig = EngineConfig()
+    chat_template: Literal["auto", "none"] = Field(
+        "auto", description="auto: render prompts with the policy tokenizer's chat template when it has one"
+    )
+    system_prompt: str | None = Field(None, description="a system message (needs a chat template)")
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="extra chat-template variables, e.g. {enable_thinking: false}"
+    )
 
 
 class SFTConfig(Section):
@@ -175,6 +177,7 @@ class RewardConfig(Section):
     )
     budget_slack: int = Field(2, ge=0, description="extra tokens of the per-prompt rollout budget")
     sft: SFTConfig = SFTConfig(steps=1200, batch_size=64)
+    judge: JudgeConfig = JudgeConfig()
 
 
 class TrainConfig(Section):
@@ -243,15 +246,12 @@ class GPSConfig(Section):
     host_tier: str | None = Field(None, description="node-local fast tier, e.g. /dev/shm/pivotrl")
     device_tier_bytes: int = Field(2 << 30, ge=0)
     keep_last: int = Field(
-        3, ge=1, description="not supported yet: policy versions are not garbage-collected (a later issue)"
+        3, ge=1, description="policy versions kept in the store besides the pinned ones (version 0)"
     )
 
 
 UNREAD_FIELDS: dict[str, str] = {
     # dotted field -> why it may not be set (to anything but its default)
-    "task.dataset": "not supported yet (datasets arrive with the real-jobs work)",
-    "task.on_bad_row": "not supported yet (datasets arrive with the real-jobs work)",
-    "gps.keep_last": "not supported yet (policy versions are not garbage-collected yet)",
     "models.policy.size": "not read (the bootstrap preset is train.sft.base_size)",
     "models.genrm.size": "not read (the bootstrap preset is reward.sft.base_size)",
     "train.sft.init": "not read (judge only: reward.sft.init)",
@@ -284,6 +284,14 @@ class PipelineConfig(Section):
             default = type(section).model_fields[name].default
             if getattr(section, name) != default:
                 raise ValueError(f"{dotted}: {why}; remove it")
+        return self
+
+    @model_validator(mode="after")
+    def _check_dataset(self) -> PipelineConfig:
+        if self.task.dataset is not None:
+            for role in ("train", "reward"):
+                if getattr(self, role).sft.data_options:
+                    raise ValueError(f"{role}.sft.data_options: synthetic tasks only (task.dataset is set)")
         return self
 
     @model_validator(mode="after")

@@ -35,11 +35,18 @@ def seq_seed(*parts: Any) -> int:
 
 
 def train_problems(task: Task, n: int, run_seed: int, iteration: int) -> list[Problem]:
-    """The iteration's prompts: a function of (run seed, iteration) only, whatever executes the run."""
+    """The iteration's prompts: a function of (run seed, iteration) only, whatever executes the run. A
+    dataset draws without replacement per epoch (`pivotrl.tasks.DatasetTask.draw`)."""
+    if hasattr(task, "draw"):
+        return task.draw(n, run_seed, iteration)
     return task.sample(n, seed=seq_seed("train", run_seed, iteration))
 
 
 def held_out_problems(task: Task, n: int) -> list[Problem]:
+    """Up to `n` held-out problems: a dataset's held-out split (none when its verifier is `none`: there
+    is nothing to measure), or synthetic problems of a seed no training draw uses."""
+    if hasattr(task, "held_out_problems"):
+        return task.held_out_problems(n) if task.measurable else []
     return task.sample(n, seed=HELD_OUT_SEED)
 
 
@@ -128,10 +135,14 @@ class PolicyUpdater:
         return minibatch_slices(n, self.cfg.train.minibatches)
 
     def publish(self) -> int:
+        """Publish the current version, then keep the store bounded: the last `gps.keep_last` versions
+        and the pinned ones (version 0, the KL reference) survive. Older versions are never read again:
+        every replica moves to the newest one."""
         v = self.version
         self.gps.publish(self.name, v, self.model.state_dict())
         faults.point("publish")
         self.gps.flush()  # replicas may be other processes: the version must be readable from a shared tier
+        self.gps.gc(self.name, keep_last=self.cfg.gps.keep_last)
         return v
 
     def apply(self, grads: Sequence[Any], iteration: int) -> int:
@@ -177,7 +188,7 @@ def evaluate(
     s = ctx.cfg.rollout.sampling
     requests = []
     for k, prob in enumerate(problems):
-        ids = ctx.encode(prob.prompt)
+        ids = ctx.prompt_ids(prob)
         requests.append(
             WorkRequest(
                 id=f"eval-{tag}-{k}",

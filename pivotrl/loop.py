@@ -62,21 +62,22 @@ def run_loop(
     from pivotrl.gps import ParameterStore
     from pivotrl.grpo import PolicyUpdater, evaluate, held_out_problems
     from pivotrl.pipeline import Pipeline, StageContext, default_stages, run_iterations
-    from pivotrl.run import load_tokenizer, worker_role_specs
+    from pivotrl.run import load_task, load_tokenizer, make_renderer, worker_role_specs
     from pivotrl.runtime.local_session import LocalSession
     from pivotrl.runtime.role_host import WorkerEnv
-    from pivotrl.tasks import get_task
 
     torch.manual_seed(cfg.run.seed)
     paths = {"policy": Path(policy_dir), "genrm": Path(judge_dir)}
     tokenizer = load_tokenizer(paths["policy"])
-    task = get_task(cfg.task.name, cfg.task.options)
-    ctx = StageContext(tokenizer=tokenizer, task=task, cfg=cfg)
+    task = load_task(cfg, log)
+    ctx = StageContext(tokenizer=tokenizer, task=task, cfg=cfg, renderer=make_renderer(cfg, paths, tokenizer))
     held = held_out_problems(task, cfg.task.eval_prompts)
     total = iterations if iterations is not None else cfg.run.iterations
-    with tempfile.TemporaryDirectory(prefix="pivotrl-loop-") as root, ParameterStore(
-        root, device_tier_bytes=0
-    ) as gps:
+    # gps.root when given (a caller may inspect the store after the run), else a private temporary one
+    with (
+        tempfile.TemporaryDirectory(prefix="pivotrl-loop-") as tmp,
+        ParameterStore(root := (cfg.gps.root or tmp), device_tier_bytes=0) as gps,
+    ):
         updater = PolicyUpdater.load(cfg, paths["policy"], gps)
         updater.publish()  # version 0: the rollout replica's first weights and the KL reference
         gps.pin(cfg.models.policy.name, 0)

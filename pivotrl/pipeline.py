@@ -67,16 +67,23 @@ class Sample:
 
 @dataclass
 class StageContext:
-    """What stages may use: the tokenizer, the task, the config, the current policy version."""
+    """What stages may use: the tokenizer, the task, the config, the current policy version, and the
+    `pivotrl.tasks.prompts.PromptRenderer` (chat templates, the judge template and verdict parser; None:
+    raw prompts and the built-in tagged judge template, as the synthetic tasks use)."""
 
     tokenizer: Any
     task: Any
     cfg: Any
     policy_version: int = 0
     counters: dict[str, float] = field(default_factory=dict)
+    renderer: Any = None
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text)["input_ids"])
+
+    def prompt_ids(self, problem: Problem) -> list[int]:
+        """The rollout prompt of `problem` as the policy engine sees it."""
+        return self.renderer.rollout_ids(problem) if self.renderer else self.encode(problem.prompt)
 
     def decode(self, ids: list[int]) -> str:
         eos = self.tokenizer.eos_token_id
@@ -145,7 +152,8 @@ class RolloutStage(Stage):
         sample.logprobs = list(result.logprobs)
         sample.finish_reason = result.finish_reason
         sample.response_text = ctx.decode(sample.response_ids)
-        sample.data["correct"] = bool(ctx.task.verify(sample.problem, sample.response_text))
+        if getattr(ctx.task, "measurable", True):  # a dataset with verifier none measures nothing
+            sample.data["correct"] = bool(ctx.task.verify(sample.problem, sample.response_text))
 
 
 class GenRMRewardStage(Stage):
@@ -170,12 +178,17 @@ class GenRMRewardStage(Stage):
             sample.reward = float(truncated)
             ctx.counters["truncated"] = ctx.counters.get("truncated", 0) + 1
             return None
-        ids = ctx.encode(self.template.prompt(sample.problem.prompt, sample.response_text))
+        if ctx.renderer is not None:
+            ids = ctx.renderer.judge_ids(sample.problem, sample.response_text)
+            eos = ctx.renderer.judge.tokenizer.eos_token_id
+        else:
+            ids = ctx.encode(self.template.prompt(sample.problem.prompt, sample.response_text))
+            eos = ctx.tokenizer.eos_token_id
         s = ctx.cfg.reward.sampling
         return {
             "payload": {
                 "prompt_ids": ids,
-                "sampling": sampling_payload(s, sample.judge_seed, ctx.tokenizer.eos_token_id),
+                "sampling": sampling_payload(s, sample.judge_seed, eos),
             },
             "prompt_tokens": len(ids),
             "max_new_tokens": s.max_new_tokens,
@@ -185,9 +198,14 @@ class GenRMRewardStage(Stage):
     def complete(self, sample: Sample, result: ItemResult, ctx: StageContext) -> None:
         from pivotrl.engines.genrm import parse_verdict
 
-        text = ctx.decode(list(result.generated))
-        value = parse_verdict(text)
+        if ctx.renderer is not None:
+            text = ctx.renderer.judge.decode(list(result.generated))
+            value = ctx.renderer.read(text)
+        else:
+            text = ctx.decode(list(result.generated))
+            value = parse_verdict(text)
         ctx.counters["judged"] = ctx.counters.get("judged", 0) + 1
+        sample.data["judge_parsed"] = value is not None
         if value is None:
             ctx.counters["unparsed"] = ctx.counters.get("unparsed", 0) + 1
             value = float(ctx.cfg.reward.default_reward)
@@ -317,7 +335,7 @@ class Pipeline:
         out = []
         seen: dict[str, int] = {}
         for prob in problems:
-            ids = self.ctx.encode(prob.prompt)
+            ids = self.ctx.prompt_ids(prob)
             group = f"{iteration}:{prob.uid}"
             seen[group] = seen.get(group, 0) + 1
             if seen[group] > 1:  # the same problem drawn twice: a group of its own
@@ -453,6 +471,8 @@ def run_iterations(
                 row["staleness_mean"] = sum(res.staleness) / len(res.staleness)
                 row["staleness_max"] = max(res.staleness)
             row["elapsed_s"] = time.monotonic() - t_start
+            if hasattr(ctx.task, "epochs"):  # a dataset: epochs of its train split drawn so far
+                row["epochs"] = ctx.task.epochs(cfg.task.prompts_per_iteration, res.iteration)
             if hasattr(session, "report"):
                 session.report(_report(res, row, ctx))
             budget_hit = budget_hit or (

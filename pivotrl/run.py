@@ -73,16 +73,31 @@ def resolve_models(cfg: PipelineConfig, log: Callable[[str], None]) -> dict[str,
 
 
 def load_tokenizer(model_dir: Path) -> Any:
-    """The policy's tokenizer. Models made here use pivotrl's character tokenizer, rebuilt in code: its
-    tokenizer.json does not round-trip through `AutoTokenizer` (spaces and newlines are lost), which would
-    silently corrupt every prompt. Real checkpoints load with `AutoTokenizer`."""
-    from transformers import AutoTokenizer
+    """The tokenizer of a model directory (see `pivotrl.engines.checkpoints.load_tokenizer`)."""
+    from pivotrl.engines.checkpoints import load_tokenizer as load
 
-    from pivotrl.engines.checkpoints import build_tokenizer, load_config, vocab_size
+    return load(model_dir)
 
-    if int(getattr(load_config(model_dir), "vocab_size", -1)) == vocab_size():
-        return build_tokenizer()
-    return AutoTokenizer.from_pretrained(str(model_dir))
+
+def load_task(cfg: PipelineConfig, log: Callable[[str], None]) -> Any:
+    """The config's task; a dataset's rows, bad rows and split sizes are reported before anything runs."""
+    from pivotrl.tasks import build_task
+
+    task = build_task(cfg.task)
+    stats = getattr(task, "stats", None)
+    if stats is not None:
+        log(stats.line())
+        for example in stats.skipped_examples:
+            log(f"  skipped: {example}")
+    return task
+
+
+def make_renderer(cfg: PipelineConfig, paths: dict[str, Path], policy_tokenizer: Any) -> Any:
+    """How the engines' prompts are rendered and judgments read (`pivotrl.tasks.prompts`)."""
+    from pivotrl.tasks.prompts import PromptRenderer
+
+    judge_tokenizer = load_tokenizer(paths["genrm"])
+    return PromptRenderer.from_config(cfg, policy_tokenizer, judge_tokenizer)
 
 
 def worker_role_specs(cfg: PipelineConfig, paths: dict[str, Path], run_id: str) -> dict[str, dict[str, Any]]:
@@ -253,7 +268,6 @@ def run_pipeline(
     from pivotrl.runtime.cluster import open_cluster
     from pivotrl.runtime.metrics import write_metrics
     from pivotrl.runtime.session import RuntimeSession
-    from pivotrl.tasks import get_task
 
     mode = mode or cfg.scheduler.mode
     t_start = time.monotonic()
@@ -266,11 +280,12 @@ def run_pipeline(
         run_dir = Path(cfg.run.storage_root) / "runs" / run_id
     cfg_json = cfg.model_dump(mode="json")
     with lease.held(run_dir, "run directory"):  # one live driver per run
+        task = load_task(cfg, log)  # before the bootstrap: a bad row fails in a second, not after training
         log("phase: models (the bootstrap builds missing ones, cached)")
         paths = resolve_models(cfg, log)
-        task = get_task(cfg.task.name, cfg.task.options)
         tokenizer = load_tokenizer(paths["policy"])
-        ctx = StageContext(tokenizer=tokenizer, task=task, cfg=cfg)
+        renderer = make_renderer(cfg, paths, tokenizer)
+        ctx = StageContext(tokenizer=tokenizer, task=task, cfg=cfg, renderer=renderer)
         result = RunResult(run_id, run_dir)
 
         gps_root = cfg.gps.root or str(run_dir / "gps")

@@ -61,9 +61,6 @@ def test_cli_reports_unknown_command_with_exit_2():
 
 # one non-default value per unread field, as `--set` writes it (models.* need their required name)
 NON_DEFAULT = {
-    "task.dataset": ["task.dataset=data/train.jsonl"],
-    "task.on_bad_row": ["task.on_bad_row=skip"],
-    "gps.keep_last": ["gps.keep_last=5"],
     "models.policy.size": ["models.policy.name=policy", "models.policy.size=debug"],
     "models.genrm.size": ["models.genrm.name=genrm", "models.genrm.size=small"],
     "train.sft.init": ["train.sft.init=policy"],
@@ -89,7 +86,7 @@ def test_unread_field_set_is_a_one_line_error(tmp_path, field):
 @pytest.mark.parametrize(
     "sets",
     [
-        ["task.dataset=null", "task.on_bad_row=error", "gps.keep_last=3"],
+        ["task.dataset=null", "task.on_bad_row=error"],
         ["models.policy.name=p", "models.policy.size=null", "train.sft.init=scratch", "reward.sft.sloppy=0"],
         ["reward.sft.init=policy", "train.sft.sloppy=0.5"],  # the roles that do read them
     ],
@@ -100,13 +97,13 @@ def test_unread_fields_at_their_defaults_are_accepted(sets):
 
 def test_cli_reports_an_unread_field_with_exit_2(tmp_path):
     f = tmp_path / "c.yaml"
-    f.write_text("gps:\n  keep_last: 2\n")
+    f.write_text("train:\n  sft:\n    init: policy\n")
     proc = subprocess.run(
         [sys.executable, "-m", "pivotrl.cli", "bootstrap", str(f)], capture_output=True, text=True
     )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    why = UNREAD_FIELDS["gps.keep_last"]
-    assert proc.stderr.strip().splitlines() == [f"error: {f}: gps.keep_last: {why}; remove it"]
+    why = UNREAD_FIELDS["train.sft.init"]
+    assert proc.stderr.strip().splitlines() == [f"error: {f}: train.sft.init: {why}; remove it"]
 
 
 _scalars = st.one_of(
@@ -142,7 +139,10 @@ def test_scheduler_priors_load_and_validate(tmp_path):
     cfg = load_config(None)
     p = cfg.scheduler.priors
     assert (p.rollout_step_a_s, p.rollout_step_b_s, p.reward_step_a_s, p.reward_step_b_s) == (
-        0.01, 0.0005, 0.01, 0.0005
+        0.01,
+        0.0005,
+        0.01,
+        0.0005,
     )
     assert (p.train_step_a_s, p.train_step_b_s, p.shift_s) == (0.01, 0.0002, 1.0)
     for name, info in SchedulerPriors.model_fields.items():
@@ -152,9 +152,13 @@ def test_scheduler_priors_load_and_validate(tmp_path):
     cfg = load_config(f, overrides=["scheduler.priors.rollout_step_b_s=0"])
     assert cfg.scheduler.priors.train_step_b_s == 0.001 and cfg.scheduler.priors.shift_s == 2.5
     assert cfg.scheduler.priors.rollout_step_b_s == 0.0
-    for bad in ("scheduler.priors.rollout_step_a_s=0", "scheduler.priors.shift_s=-1",
-                "scheduler.priors.train_step_b_s=-0.1", "scheduler.priors.reward_step_a_s=fast",
-                "scheduler.priors.step_c_s=1"):
+    for bad in (
+        "scheduler.priors.rollout_step_a_s=0",
+        "scheduler.priors.shift_s=-1",
+        "scheduler.priors.train_step_b_s=-0.1",
+        "scheduler.priors.reward_step_a_s=fast",
+        "scheduler.priors.step_c_s=1",
+    ):
         with pytest.raises(UserError) as exc:
             load_config(f, overrides=[bad])
         assert bad.split("=")[0] in str(exc.value) and "\n" not in str(exc.value)
@@ -188,3 +192,51 @@ def test_a_static_split_larger_than_the_cluster_is_refused(tmp_path):
     cfg.write_text("cluster: {workers: 2}\nscheduler: {static_split: {rollout: 2, reward: 1, train: 1}}\n")
     with pytest.raises(UserError, match="static_split needs 4 devices; cluster.workers is 2"):
         load_config(cfg)
+
+# ----------------------------------------------------------------------------------------------------
+# Dataset-only fields and the judge section: typed, and errors where they would be ignored
+# ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("sets", "field"),
+    [
+        (["task.on_bad_row=skip"], "task.on_bad_row"),
+        (["task.eval_fraction=0.1"], "task.eval_fraction"),
+        (["task.verifier=math"], "task.verifier"),
+        (["task.eval_dataset=e.jsonl"], "task.eval_dataset"),
+        (["task.generate=arith-word-problems"], "task.generate"),
+        (["task.dataset=d", "task.eval_dataset=e", "task.eval_fraction=0.1"], "task.eval_fraction"),
+        (["task.dataset=d.jsonl", "task.options={median: 3}"], "task.options"),
+        (["task.dataset=d.jsonl", "reward.sft.data_options={median: 3}"], "reward.sft.data_options"),
+        (["task.dataset=d.jsonl", "task.eval_fraction=1.0"], "task.eval_fraction"),
+        (["task.dataset=d.jsonl", "task.verifier=fuzzy"], "task.verifier"),
+        (["reward.judge.verdict={kind: regex, pattern: 'v: (yes|no)', rewards: {'yes': 1}}"], "named group"),
+        (["reward.judge.verdict={kind: regex, pattern: '(?P<verdict>[', rewards: {'y': 1}}"], "not a regex"),
+        (["reward.judge.verdict={kind: regex, pattern: '(?P<verdict>y)', rewards: {on: 1}}"], "YAML boolean"),
+        (["reward.judge.verdict={kind: score, range: [10, 0]}"], "low end"),
+        (["reward.judge.verdict={kind: vibes}"], "reward.judge.verdict"),
+        (["rollout.chat_template=always"], "rollout.chat_template"),
+    ],
+)
+def test_dataset_and_judge_fields_are_checked_in_one_line(sets, field):
+    with pytest.raises(UserError) as exc:
+        load_config(None, overrides=sets)
+    assert field in str(exc.value) and "\n" not in str(exc.value) and exc.value.exit_code == 2
+
+
+def test_dataset_and_judge_fields_load_typed():
+    cfg = load_config(
+        None,
+        overrides=[
+            "task.dataset=d.jsonl",
+            "task.eval_fraction=0.2",
+            "task.verifier=math",
+            "task.on_bad_row=skip",
+            "gps.keep_last=5",
+            "reward.judge.verdict={kind: score, range: [1, 5]}",
+            "reward.judge.template='Q {prompt} A {response}'",
+        ],
+    )
+    assert cfg.task.eval_fraction == 0.2 and cfg.gps.keep_last == 5
+    assert cfg.reward.judge.verdict.kind == "score" and cfg.reward.judge.verdict.range == (1.0, 5.0)

@@ -5,6 +5,10 @@ task's format but is often wrong, so there is something to learn, and (b) a judg
 so that the GenRM reward alone can drive learning. The judge is trained on synthetic judgments built from
 the task's ground-truth verifier: (prompt, correct or corrupted response) → item-by-item critique + verdict.
 
+A dataset task (``task.dataset``) gets the same two models, trained on its train split rendered through the
+run's own prompt renderer, with a tokenizer that carries a small chat template (`pivotrl.engines.
+dataset_sft`).
+
 Everything is deterministic from the seed and cached under ``<storage_root>/models/<name>-<key>/`` where the
 key hashes every setting that shapes the weights, so a changed setting never reuses a stale model.
 """
@@ -240,7 +244,7 @@ def _settings(cfg: PipelineConfig, role: str) -> dict[str, Any]:
 
 
 def _own_settings(cfg: PipelineConfig, role: str, sft: SFTConfig) -> dict[str, Any]:
-    return {
+    out = {
         "format": FORMAT_VERSION,
         "role": role,
         "task": cfg.task.name,
@@ -248,6 +252,11 @@ def _own_settings(cfg: PipelineConfig, role: str, sft: SFTConfig) -> dict[str, A
         "sft": sft.model_dump(),
         "template": JudgeTemplate().__dict__ if role == "genrm" else None,
     }
+    if cfg.task.dataset is not None:  # synthetic tasks keep today's keys (and cached models)
+        from pivotrl.engines.dataset_sft import dataset_settings
+
+        out["dataset"] = dataset_settings(cfg, role)
+    return out
 
 
 def model_dir(cfg: PipelineConfig, role: str) -> Path:
@@ -271,15 +280,21 @@ def train_role(cfg: PipelineConfig, role: str, out_dir: str | Path, threads: int
     torch.set_num_threads(threads)
     t0, cpu0 = time.perf_counter(), time.process_time()
     sft_cfg = cfg.train.sft if role == "policy" else cfg.reward.sft
-    task = get_task(cfg.task.name, {**cfg.task.options, **sft_cfg.data_options})
-    tokenizer = build_tokenizer()
-    problems = task.sample(sft_cfg.examples, seed=_data_seed(sft_cfg, role))
-    if role == "policy":
-        if sft_cfg.sloppy > 0 and cfg.task.name != "sort":
-            raise UserError("train.sft.sloppy: the sloppy teacher is defined for the sort task only")
-        pairs = policy_pairs(problems, sft_cfg.sloppy, seed=_data_seed(sft_cfg, role))
+    if cfg.task.dataset is not None:
+        from pivotrl.engines.dataset_sft import sft_data
+
+        data, tokenizer = sft_data(cfg, role, sft_cfg, seed=_data_seed(sft_cfg, role))
     else:
-        pairs, _ = judge_pairs(task, problems, JudgeTemplate(), seed=_data_seed(sft_cfg, role))
+        task = get_task(cfg.task.name, {**cfg.task.options, **sft_cfg.data_options})
+        tokenizer = build_tokenizer()
+        problems = task.sample(sft_cfg.examples, seed=_data_seed(sft_cfg, role))
+        if role == "policy":
+            if sft_cfg.sloppy > 0 and cfg.task.name != "sort":
+                raise UserError("train.sft.sloppy: the sloppy teacher is defined for the sort task only")
+            pairs = policy_pairs(problems, sft_cfg.sloppy, seed=_data_seed(sft_cfg, role))
+        else:
+            pairs, _ = judge_pairs(task, problems, JudgeTemplate(), seed=_data_seed(sft_cfg, role))
+        data = encode_pairs(tokenizer, pairs)
     torch.manual_seed(sft_cfg.seed)
     if role == "genrm" and sft_cfg.init == "policy":
         from pivotrl.engines.checkpoints import load_config as load_hf_config
@@ -294,7 +309,7 @@ def train_role(cfg: PipelineConfig, role: str, out_dir: str | Path, threads: int
         model = new_model(config, sft_cfg.seed)
     losses = sft(
         model,
-        encode_pairs(tokenizer, pairs),
+        data,
         steps=sft_cfg.steps,
         batch_size=sft_cfg.batch_size,
         lr=sft_cfg.lr,

@@ -9,7 +9,9 @@ above the model (`model.py` knows nothing of files), so the two never import eac
 The tokenizer is character level so that the synthetic tasks (digits, a few letters, spaces) need no
 trained merges: ids 0..3 are the specials ``<pad> <bos> <eos> <unk>``, then "\\n" and the 95 printable ASCII
 characters. Encoding prepends ``<bos>`` (``add_special_tokens=True``, the default), like Llama/Qwen chat
-prompts do; decoding concatenates characters without separators.
+prompts do; decoding concatenates characters without separators. A tokenizer may carry a chat template
+(`TINY_CHAT_TEMPLATE`, the tiny models of dataset tasks): it is saved as ``chat_template.jinja`` like any HF
+tokenizer's, and `load_tokenizer` restores it.
 """
 
 from __future__ import annotations
@@ -53,9 +55,20 @@ MODEL_SIZES: dict[str, dict[str, Any]] = {
 }
 ARCHS = ("qwen2", "llama")
 
+# The chat template of the tiny models made for dataset tasks: short role markers (every character is a
+# token here), <bos> first and <eos> after an assistant turn, as Llama/Qwen templates do.
+TINY_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if m['role'] == 'system' %}S: {{ m['content'] }}\n"
+    "{% elif m['role'] == 'user' %}U: {{ m['content'] }}\n"
+    "{% else %}A: {{ m['content'] }}{{ eos_token }}\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}A: {% endif %}"
+)
 
-def build_tokenizer():
-    """Character-level `PreTrainedTokenizerFast` built with the `tokenizers` library (no training)."""
+
+def build_tokenizer(chat_template: str | None = None):
+    """Character-level `PreTrainedTokenizerFast` built with the `tokenizers` library (no training), with
+    `chat_template` when given."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
@@ -69,7 +82,7 @@ def build_tokenizer():
     tok.post_processor = processors.TemplateProcessing(
         single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", BOS_ID)]
     )
-    return PreTrainedTokenizerFast(
+    out = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         pad_token="<pad>",
         bos_token="<bos>",
@@ -78,6 +91,35 @@ def build_tokenizer():
         padding_side="right",
         clean_up_tokenization_spaces=False,
     )
+    if chat_template is not None:
+        out.chat_template = chat_template
+    return out
+
+
+def saved_chat_template(model_dir: str | Path) -> str | None:
+    """The chat template saved with a tokenizer (``chat_template.jinja``, or the older
+    ``tokenizer_config.json`` key), or None."""
+    d = Path(model_dir)
+    jinja = d / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
+    cfg = d / "tokenizer_config.json"
+    if cfg.is_file():
+        value = json.loads(cfg.read_text(encoding="utf-8")).get("chat_template")
+        return value if isinstance(value, str) else None
+    return None
+
+
+def load_tokenizer(model_dir: str | Path):
+    """The tokenizer of a model directory. Models made here use the character tokenizer, rebuilt in code
+    (with the chat template saved beside it): its tokenizer.json does not round-trip through
+    `AutoTokenizer` (spaces and newlines are lost), which would silently corrupt every prompt. Real
+    checkpoints load with `AutoTokenizer`. Reads no weights."""
+    from transformers import AutoTokenizer
+
+    if int(getattr(load_config(model_dir), "vocab_size", -1)) == vocab_size():
+        return build_tokenizer(saved_chat_template(model_dir))
+    return AutoTokenizer.from_pretrained(str(model_dir))
 
 
 def vocab_size() -> int:

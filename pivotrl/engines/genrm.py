@@ -6,6 +6,11 @@ re-derives the reference answer item by item, marking each item of the response 
 critique's length grows with the problem size), and then writes ``verdict: yes`` or ``verdict: no``.
 A GPU-scale judge (Qwen3-30B-A3B) uses the same template idea with a longer natural-language critique.
 
+A user's judge (a real checkpoint on a real dataset) is shown a `PromptTemplate` instead — any text with
+``{prompt}`` ``{response}`` ``{reference}`` — and its verdict is read by a configured `RegexParser` (a named
+group mapped to rewards) or `ScoreParser` (a numeric score range mapped to [0, 1]). A thinking judge's
+``<think>…</think>`` is skipped first (`strip_think`): a verdict it mulls over is not its verdict.
+
 The parser never raises: unparseable text gets a configurable default reward and is counted, because a
 judge that rambles must not crash an RL run.
 """
@@ -13,10 +18,12 @@ judge that rambles must not crash an RL run.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, Protocol
 
+from pivotrl.errors import UserError
 from pivotrl.tasks.base import Problem, normalize
 
 _VERDICT = re.compile(r"verdict\s*[:=]\s*(yes|no|correct|incorrect|true|false|pass|fail)\b", re.IGNORECASE)
@@ -92,6 +99,125 @@ def parse_verdict(text: str) -> float | None:
     return None
 
 
+# ----------------------------------------------------------------------------------------------------
+# A user's judge: a placeholder template and a configured verdict parser
+# ----------------------------------------------------------------------------------------------------
+
+PLACEHOLDERS = ("{prompt}", "{response}", "{reference}")
+
+
+@dataclass(frozen=True)
+class PromptTemplate:
+    """A judge prompt with ``{prompt}`` ``{response}`` ``{reference}`` placeholders. Only those three are
+    replaced (no `str.format`), so a template may quote JSON or LaTeX braces as they are."""
+
+    text: str
+
+    def __post_init__(self) -> None:
+        if "{response}" not in self.text:
+            raise UserError("reward.judge.template: has no {response} placeholder (the judge must see it)")
+
+    def fill(self, prompt: str, response: str, reference: str) -> str:
+        values = {"{prompt}": prompt, "{response}": response, "{reference}": reference}
+        pattern = re.compile("|".join(re.escape(k) for k in PLACEHOLDERS))
+        return pattern.sub(lambda m: values[m.group()], self.text)  # one pass: a value is never re-filled
+
+
+def load_template(value: str) -> PromptTemplate:
+    """`reward.judge.template`: a template with placeholders inline, or the path of a file holding one."""
+    if not any(k in value for k in PLACEHOLDERS):
+        p = Path(value)
+        if "\n" in value or not p.is_file():
+            raise UserError(
+                f"reward.judge.template: {value[:60]!r} is neither a file nor a template with "
+                "{prompt} {response} {reference} placeholders"
+            )
+        try:
+            value = p.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise UserError(f"reward.judge.template: {p}: cannot read ({exc})") from None
+    return PromptTemplate(value)
+
+
+def strip_think(text: str) -> str | None:
+    """The judgment after a thinking judge's ``</think>``; None while it is still thinking (an opened,
+    never closed ``<think>``: a truncated judge has given no verdict, whatever its thoughts say)."""
+    if "</think>" in text:
+        return text.rsplit("</think>", 1)[1]
+    if "<think>" in text:
+        return None
+    return text
+
+
+class VerdictParser(Protocol):
+    def parse(self, text: str) -> float | None: ...
+
+
+@dataclass(frozen=True)
+class BuiltinParser:
+    """Today's `parse_verdict`: ``verdict: yes|no``, else ``score: x``."""
+
+    def parse(self, text: str) -> float | None:
+        return parse_verdict(text)
+
+
+@dataclass(frozen=True)
+class RegexParser:
+    """The last match of `pattern`; its `group` (case-folded, stripped) looked up in `rewards`."""
+
+    pattern: str
+    group: str
+    rewards: Mapping[str, float]
+
+    def parse(self, text: str) -> float | None:
+        matches = list(re.finditer(self.pattern, text))
+        if not matches:
+            return None
+        word = (matches[-1].group(self.group) or "").strip().lower()
+        table = {k.strip().lower(): float(v) for k, v in self.rewards.items()}
+        return table.get(word)
+
+
+@dataclass(frozen=True)
+class ScoreParser:
+    """The last match of `pattern`; its `group` as a number in [low, high] mapped linearly to [0, 1]. A
+    score outside the range is None (unparseable), not clamped."""
+
+    pattern: str
+    group: str
+    low: float
+    high: float
+
+    def parse(self, text: str) -> float | None:
+        matches = list(re.finditer(self.pattern, text))
+        if not matches:
+            return None
+        try:
+            value = float(matches[-1].group(self.group))
+        except (TypeError, ValueError):
+            return None
+        if not self.low <= value <= self.high:
+            return None
+        return (value - self.low) / (self.high - self.low)
+
+
+def make_parser(verdict: Any) -> VerdictParser:
+    """The parser of a `reward.judge.verdict` section (`RegexVerdict`, `ScoreVerdict` or None)."""
+    if verdict is None:
+        return BuiltinParser()
+    if verdict.kind == "regex":
+        return RegexParser(verdict.pattern, verdict.group, dict(verdict.rewards))
+    return ScoreParser(verdict.pattern, verdict.group, float(verdict.range[0]), float(verdict.range[1]))
+
+
+def read_judgment(parser: VerdictParser, text: str) -> float | None:
+    """A judgment's reward: `<think>` skipped, then `parser`; None when unparseable. Never raises."""
+    if not isinstance(text, str) or not text:
+        return None
+    shown = strip_think(text)
+    return None if shown is None else parser.parse(shown)
+
+
 @dataclass
 class Judgment:
     reward: float
@@ -121,11 +247,16 @@ class GenRMJudge:
     batch, abort and resume judge sequences the same way as rollouts."""
 
     def __init__(
-        self, generate: GenerateFn, template: JudgeTemplate | None = None, default_reward: float = 0.0
+        self,
+        generate: GenerateFn,
+        template: JudgeTemplate | None = None,
+        default_reward: float = 0.0,
+        parser: VerdictParser | None = None,
     ) -> None:
         self.generate = generate
         self.template = template or JudgeTemplate()
         self.default_reward = default_reward
+        self.parser = parser or BuiltinParser()
         self.counters = JudgeCounters()
 
     def prompts(self, problems: Sequence[Problem], responses: Sequence[str]) -> list[str]:
@@ -137,7 +268,7 @@ class GenRMJudge:
         """Parse already generated judge texts (the runtime generates them on reward replicas)."""
         out = []
         for text, n, fin in zip(texts, tokens, finish, strict=True):
-            value = parse_verdict(text)
+            value = read_judgment(self.parser, text)
             self.counters.judged += 1
             self.counters.generated_tokens += int(n)
             if value is None:

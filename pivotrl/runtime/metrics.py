@@ -155,6 +155,14 @@ class IterationMeter:
             "shifts": len(self.shifts),
         }
         row["tokens_per_s_per_device"] = row["tokens_per_s"] / max(1, self.n_devices)
+        judged = [s for s in samples if "judge_parsed" in s.data]
+        row["judged"] = len(judged)
+        row["judge_unparsed"] = sum(not s.data["judge_parsed"] for s in judged)
+        # the judge's verdict (reward >= 0.5) against the verifier's, where both exist (measurement only)
+        both = [s for s in judged if s.data["judge_parsed"] and "correct" in s.data]
+        if both:
+            agree = sum((float(s.reward or 0.0) >= 0.5) == bool(s.data["correct"]) for s in both)
+            row["judge_agreement"] = 100.0 * agree / len(both)
         per_dev = device_time_delta(self.device_time0, device_times(st))
         row["device_time"] = per_dev
         row["plan_s"] = st.get("plan_s", 0.0) - self.plan0[0]  # controller CPU time (scheduler process)
@@ -182,8 +190,10 @@ class IterationMeter:
         return "/".join(parts)
 
     def postfix(self, row: dict[str, Any]) -> str:
+        epochs = f"epoch {row['epochs']:.3f} " if "epochs" in row else ""  # a dataset's, drawn so far
+        agree = f"judge~verifier {row['judge_agreement']:.0f}% " if "judge_agreement" in row else ""
         return (
-            f"reward {row['reward_mean']:.2f} acc {row['accuracy']:.0f}% "
+            f"{epochs}reward {row['reward_mean']:.2f} acc {row['accuracy']:.0f}% {agree}"
             f"{row['tokens_per_s']:.0f} tok/s roles[{self.allocation(row)}] shifts {row['shifts']}"
         )
 

@@ -1,8 +1,9 @@
 """Load problems from JSONL or parquet files.
 
 Each row needs a non-empty string ``prompt`` and ``answer``; ``uid`` is optional (defaults to
-``<file stem>-<line>``). A bad row is either an error naming the file and line (``on_bad_row="error"``,
-the default: nothing is silently dropped) or skipped and counted (``"skip"``).
+``<file stem>-<line>``); every other field is kept as the problem's metadata. A bad row (not an object, a
+missing field, invalid JSON, a uid seen before in the file) is either an error naming the file and line
+(``on_bad_row="error"``, the default: nothing is silently dropped) or skipped and counted (``"skip"``).
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ def _row_problem(row: Any, where: str, default_uid: str) -> Problem:
         if not isinstance(value, str) or not value.strip():
             raise ValueError(f"{where}: field '{key}' must be a non-empty string")
     uid = row.get("uid", default_uid)
+    if uid is None or isinstance(uid, (dict, list)) or str(uid).strip() == "":
+        raise ValueError(f"{where}: field 'uid' must be a non-empty string or number")
     meta = {k: v for k, v in row.items() if k not in ("prompt", "answer", "uid")}
     return Problem(uid=str(uid), prompt=row["prompt"], answer=row["answer"], meta=meta)
 
@@ -70,11 +73,16 @@ def load_dataset(path: str | Path, on_bad_row: Literal["error", "skip"] = "error
     else:
         raise UserError(f"{p}: unknown dataset format (use .jsonl or .parquet)")
     out = LoadedDataset(problems=[])
+    seen: set[str] = set()
     for where, index, row in rows:
         try:
             if isinstance(row, Exception):
                 raise row
-            out.problems.append(_row_problem(row, where, default_uid=f"{p.stem}-{index}"))
+            problem = _row_problem(row, where, default_uid=f"{p.stem}-{index}")
+            if problem.uid in seen:  # the held-out split is by uid: two rows with one uid would straddle it
+                raise ValueError(f"{where}: duplicate uid {problem.uid!r}")
+            seen.add(problem.uid)
+            out.problems.append(problem)
         except ValueError as exc:
             if on_bad_row == "error":
                 raise UserError(str(exc)) from None

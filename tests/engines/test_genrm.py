@@ -79,3 +79,91 @@ def test_garbage_judge_output_gets_default_reward_and_is_counted():
     assert judge.counters.judged == 5 and judge.counters.unparsed == 3
     assert judge.counters.generated_tokens == 35
     assert judge.counters.examples_unparsed[0] == "%%%%garbage"
+
+
+# ----------------------------------------------------------------------------------------------------
+# A user's judge: template, configured verdict parsers, <think> stripping
+# ----------------------------------------------------------------------------------------------------
+
+
+def test_prompt_template_fills_the_three_placeholders_and_nothing_else():
+    from pivotrl.engines.genrm import PromptTemplate
+    from pivotrl.errors import UserError
+
+    t = PromptTemplate("P={prompt} R={response} G={reference} {other} {{x}}")
+    assert t.fill("p", "{prompt}", "g") == "P=p R={prompt} G=g {other} {{x}}"  # a value is never re-filled
+    with pytest.raises(UserError, match=r"reward\.judge\.template: has no \{response\}"):
+        PromptTemplate("{prompt} only")
+
+
+@pytest.mark.parametrize(
+    ("text", "want"),
+    [
+        ("The response is wrong. Verdict: INCORRECT", 0.0),
+        ("verdict: correct", 1.0),
+        ("Verdict: CORRECT ... on reflection Verdict: INCORRECT", 0.0),  # the last match wins
+        ("Verdict: MAYBE", None),  # matched, but not a mapped word
+        ("no verdict at all", None),
+        ("", None),
+    ],
+)
+def test_regex_verdict_maps_its_named_group_to_rewards(text, want):
+    from pivotrl.engines.genrm import RegexParser, read_judgment
+
+    parser = RegexParser(
+        r"(?i)verdict:\s*(?P<verdict>correct|incorrect|maybe)", "verdict", {"CORRECT": 1.0, "incorrect": 0.0}
+    )
+    assert read_judgment(parser, text) == want
+
+
+@pytest.mark.parametrize(
+    ("text", "want"),
+    [
+        ("Score: 7", 0.75),
+        ("score: 1", 0.0),
+        ("score=9", 1.0),
+        ("score: 3.5", 0.3125),
+        ("score: 10", None),
+        ("score: 0", None),
+        ("score: -2", None),
+        ("no score", None),
+    ],
+)
+def test_score_range_maps_to_unit_interval_and_never_clamps(text, want):
+    from pivotrl.engines.genrm import ScoreParser, read_judgment
+
+    parser = ScoreParser(r"(?i)score\s*[:=]\s*(?P<score>-?\d+(?:\.\d+)?)", "score", 1.0, 9.0)
+    assert read_judgment(parser, text) == want
+
+
+@pytest.mark.parametrize(
+    ("text", "want"),
+    [
+        ("<think>verdict: no... hmm, verdict: yes?</think>\n\nverdict: no", 0.0),  # thoughts are skipped
+        ("<think>\nverdict: yes\n</think>", None),  # thought a verdict, gave none
+        ("<think>verdict: yes, writing more", None),  # truncated while thinking
+        ("the prompt opened <think>; verdict: yes</think> verdict: yes", 1.0),
+        ("reasoning without tags</think>verdict: yes", 1.0),  # template put <think> in the prompt
+        ("verdict: yes", 1.0),  # no thinking at all
+    ],
+)
+def test_a_thinking_judges_think_block_is_skipped_before_parsing(text, want):
+    from pivotrl.engines.genrm import BuiltinParser, read_judgment
+
+    assert read_judgment(BuiltinParser(), text) == want
+
+
+def test_unparseable_judgments_with_a_configured_parser_get_the_default_and_are_counted():
+    from pivotrl.config import load_config
+    from pivotrl.engines.genrm import make_parser
+
+    cfg = load_config(None, overrides=["reward.judge.verdict={kind: score, range: [0, 10]}"])
+    outputs = iter(["<think>score: 10</think> score: 5", "score: 11", "<think>score: 3"])
+    judge = GenRMJudge(
+        lambda ps: [(next(outputs), 4, "stop") for _ in ps],
+        default_reward=-1.0,
+        parser=make_parser(cfg.reward.judge.verdict),
+    )
+    p = Problem("u", "q", "a")
+    assert [j.reward for j in judge.judge([p] * 3, ["r"] * 3)] == [0.5, -1.0, -1.0]
+    assert judge.counters.judged == 3 and judge.counters.unparsed == 2
