@@ -10,6 +10,7 @@ pydantic models and load them through the same `load_config`.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -392,11 +393,13 @@ def apply_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...]
 def _format_error(source: str, exc: ValidationError) -> str:
     err = exc.errors()[0]
     field = ".".join(str(p) for p in err["loc"])
-    msg = err["msg"]
+    msg = err["msg"].removeprefix("Value error, ")
+    named = re.match(r"\[(\w+)\] (.*)", msg)  # a section-level check naming one of its fields
+    if named:
+        return f"{source}: {f'{field}.' if field else ''}{named[1]}: {named[2]}"
     if not field and err["type"] == "value_error":  # a whole-config check: its message names the field
-        return f"{source}: {msg.removeprefix('Value error, ')}"
+        return f"{source}: {msg}"
     field = field or "<root>"
-    msg = msg.removeprefix("Value error, ")
     if err["type"] == "extra_forbidden":
         msg = "unknown field"
     got = err.get("input")

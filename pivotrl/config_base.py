@@ -7,7 +7,7 @@ import types
 import typing
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationInfo, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, model_validator
 
 from pivotrl.names import check_name, check_storage_root
 
@@ -26,13 +26,17 @@ class Section(BaseModel):
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
-    @field_validator("*", mode="before")
+    @model_validator(mode="before")
     @classmethod
-    def _no_bool_for_number(cls, value: Any, info: ValidationInfo) -> Any:
-        field = cls.model_fields.get(info.field_name or "")
-        if isinstance(value, bool) and field is not None and _wants_number(field.annotation):
-            raise ValueError(f"a number is wanted, not the boolean {value}")
-        return value
+    def _no_bool_for_number(cls, data: Any) -> Any:
+        """A model validator, not a per-field one: pydantic allows no before-validator on a discriminator
+        field. The `[field]` prefix lets `pivotrl.config` name the field in its one-line error."""
+        if isinstance(data, dict):
+            for name, field in cls.model_fields.items():
+                value = data.get(name)
+                if isinstance(value, bool) and _wants_number(field.annotation):
+                    raise ValueError(f"[{name}] a number is wanted, not the boolean {value}")
+        return data
 
 
 # A user name that becomes a path component (run directory, store model directory): see `pivotrl.names`.
