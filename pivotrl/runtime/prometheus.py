@@ -11,7 +11,6 @@ histogram incrementally, and shows the driver's last iteration report (`Iteratio
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -41,6 +40,10 @@ class PivotCollector:
     """A `prometheus_client` custom collector over the scheduler plugin's orchestrator."""
 
     def __init__(self, orchestrator: Any) -> None:
+        self.retarget(orchestrator)
+
+    def retarget(self, orchestrator: Any) -> None:
+        """Export `orchestrator`'s state from now on, with fresh counters."""
         self.orch = orchestrator
         self.report: IterationReport | None = None
         self._seen = 0  # orchestrator events folded in so far
@@ -63,6 +66,8 @@ class PivotCollector:
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+        if self.orch is None:  # its scheduler plugin closed
+            return
         self._fold_events()
         role = GaugeMetricFamily(
             "pivotrl_device_role", "1 for the role a device serves now", labels=["device", "role"]
@@ -117,22 +122,30 @@ class PivotCollector:
             yield c
 
 
+_registered: PivotCollector | None = None
+
+
 def register(orchestrator: Any) -> PivotCollector | None:
-    """Register a collector on the default registry (the one Dask's `/metrics` serves); None without
-    `prometheus_client`."""
+    """Point the process's one collector at `orchestrator`, registering it on the default registry (the
+    one Dask's `/metrics` serves) the first time; None without `prometheus_client`.
+
+    One collector per process, retargeted, as Dask's own are: a replaced plugin (or a second scheduler in
+    the same process, as in tests) would otherwise register the same series twice, which the registry
+    refuses."""
+    global _registered
     try:
         from prometheus_client import REGISTRY
     except ImportError:
         return None
-    collector = PivotCollector(orchestrator)
-    REGISTRY.register(collector)
-    return collector
+    if _registered is None:
+        _registered = PivotCollector(orchestrator)
+        REGISTRY.register(_registered)
+    else:
+        _registered.retarget(orchestrator)
+    return _registered
 
 
-def unregister(collector: PivotCollector | None) -> None:
-    if collector is None:
-        return
-    from prometheus_client import REGISTRY
-
-    with contextlib.suppress(KeyError):
-        REGISTRY.unregister(collector)
+def unregister(collector: PivotCollector | None, orchestrator: Any = None) -> None:
+    """Detach `collector` from `orchestrator` (it then exports nothing) unless another took it over."""
+    if collector is not None and (orchestrator is None or collector.orch is orchestrator):
+        collector.orch = None

@@ -97,7 +97,7 @@ class PivotSchedulerPlugin(SchedulerPlugin):
     async def close(self) -> None:
         from pivotrl.runtime import prometheus
 
-        prometheus.unregister(self._exporter)
+        prometheus.unregister(self._exporter, self.orch)
         self._exporter = None
         if self._task is not None:
             self._task.cancel()
