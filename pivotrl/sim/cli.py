@@ -52,10 +52,16 @@ def report_text(rep: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from pivotrl.names import check_output
     from pivotrl.sim.compare import compare
     from pivotrl.sim.plot import allocation_json, plot_allocation
 
     cfg = load_sim_config(args.config, args.overrides)
+    inputs = [args.config]
+    if isinstance(getattr(cfg, "profile", None), str):  # the cost profile it reads, next to the config
+        inputs.append(Path(args.config).parent / cfg.profile)
+    check_output(args.json_out, inputs, "--json")
+    check_output(args.plot, [*inputs, args.json_out], "--plot")
     for path in (args.json_out, args.plot):
         if path and not Path(path).parent.exists():
             raise UserError(f"{path}: directory does not exist")

@@ -76,3 +76,20 @@ def test_static_split_is_the_static_baseline_and_gpu_is_reported() -> None:
     with pytest.raises(UserError, match="static_split"):
         load_sim_config(ROOT / "configs/sim/sanity/perfect-static.yaml", ["static_split.train=5"])
     assert cfg.cost.gpu == "ideal"
+
+
+def test_simulate_never_writes_over_its_own_inputs(tmp_path, capsys):
+    import hashlib
+    import shutil
+
+    from pivotrl import cli
+
+    src = Path(__file__).resolve().parents[2] / "configs/sim/cpu-2dev.yaml"
+    cfg = tmp_path / "w.yaml"
+    shutil.copy(src, cfg)
+    shutil.copytree(src.parent / "profiles", tmp_path / "profiles")
+    before = hashlib.sha256(cfg.read_bytes()).hexdigest()
+    for out in (str(cfg), str(tmp_path / "." / "w.yaml")):
+        assert cli.main(["simulate", str(cfg), "--json", out]) == 2
+        assert "is an input of this command" in capsys.readouterr().err
+    assert hashlib.sha256(cfg.read_bytes()).hexdigest() == before
