@@ -68,7 +68,7 @@ class Sample:
 @dataclass
 class StageContext:
     """What stages may use: the tokenizer, the task, the config, the current policy version, and the
-    `pivotrl.tasks.prompts.PromptRenderer` (chat templates, the judge template and verdict parser; None:
+    `pivotrl.engines.prompts.PromptRenderer` (chat templates, the judge template and verdict parser; None:
     raw prompts and the built-in tagged judge template, as the synthetic tasks use)."""
 
     tokenizer: Any

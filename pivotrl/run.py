@@ -93,8 +93,8 @@ def load_task(cfg: PipelineConfig, log: Callable[[str], None]) -> Any:
 
 
 def make_renderer(cfg: PipelineConfig, paths: dict[str, Path], policy_tokenizer: Any) -> Any:
-    """How the engines' prompts are rendered and judgments read (`pivotrl.tasks.prompts`)."""
-    from pivotrl.tasks.prompts import PromptRenderer
+    """How the engines' prompts are rendered and judgments read (`pivotrl.engines.prompts`)."""
+    from pivotrl.engines.prompts import PromptRenderer
 
     judge_tokenizer = load_tokenizer(paths["genrm"])
     return PromptRenderer.from_config(cfg, policy_tokenizer, judge_tokenizer)

@@ -90,8 +90,8 @@ def fits(field: str, key: str, prompt: int, budget: int, context: int) -> None:
 
 
 def run_validate(cfg: PipelineConfig) -> int:
+    from pivotrl.engines.prompts import PromptRenderer
     from pivotrl.tasks import build_task
-    from pivotrl.tasks.prompts import PromptRenderer
 
     task = build_task(cfg.task)
     n = cfg.task.prompts_per_iteration

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from pivotrl.engines.checkpoints import load_tokenizer
+from pivotrl.engines.prompts import PromptRenderer
 from pivotrl.loop import run_loop
 from pivotrl.tasks import build_task
-from pivotrl.tasks.prompts import PromptRenderer
 from tests.tiny import tiny_bootstrap
 
 ROOT = Path(__file__).resolve().parents[1]

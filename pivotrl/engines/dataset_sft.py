@@ -167,8 +167,8 @@ def judge_data(
 def sft_data(cfg: Any, role: str, sft_cfg: Any, seed: int) -> tuple[list[Any], Any]:
     """SFT data of a dataset task and the tokenizer (with its chat template) the model is saved with."""
     from pivotrl.engines.checkpoints import TINY_CHAT_TEMPLATE, build_tokenizer
+    from pivotrl.engines.prompts import PromptRenderer
     from pivotrl.tasks import build_task
-    from pivotrl.tasks.prompts import PromptRenderer
 
     if sft_cfg.sloppy > 0:
         raise UserError("train.sft.sloppy: the sloppy teacher is defined for the sort task only")

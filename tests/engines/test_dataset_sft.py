@@ -10,10 +10,10 @@ import pytest
 from pivotrl.config import load_config
 from pivotrl.engines import dataset_sft as ds
 from pivotrl.engines.bootstrap import _settings, model_dir
+from pivotrl.engines.prompts import PromptRenderer
 from pivotrl.errors import UserError
 from pivotrl.tasks import build_task
 from pivotrl.tasks.arith import write_jsonl
-from pivotrl.tasks.prompts import PromptRenderer
 
 VERDICT = "{kind: regex, pattern: 'verdict: (?P<verdict>yes|no)', rewards: {'yes': 1, 'no': 0}}"
 

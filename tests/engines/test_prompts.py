@@ -8,9 +8,9 @@ import pytest
 from pivotrl.config import load_config
 from pivotrl.engines.checkpoints import TINY_CHAT_TEMPLATE, build_tokenizer, load_tokenizer, save_hf
 from pivotrl.engines.genrm import JudgeTemplate
+from pivotrl.engines.prompts import PromptRenderer
 from pivotrl.errors import UserError
 from pivotrl.tasks import Problem
-from pivotrl.tasks.prompts import PromptRenderer
 from tests.tasks.chat_tokenizers import qwen_style_dir
 
 PROBLEM = Problem("u1", "Ana has 12 apples and gets 7 more. How many apples does Ana have now?", "19")
