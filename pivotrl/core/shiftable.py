@@ -82,7 +82,7 @@ class Shiftable(Policy):
         result = planner.plan(state, costs, now)
         self.last = result
         if result.chosen is None or result.to_role is None:
-            return None
+            return serve_starving(state, now)
         dissolve = tuple(d.replica_id for d in result.donors if d.replica_id is not None)
         devices = [d.device for d in result.donors if d.device is not None]
         for rid in dissolve:
@@ -124,3 +124,38 @@ def toward_split(state: ClusterState, split: Mapping[Role, int]) -> ShiftPlan | 
     if not form and not dissolve:
         return None
     return ShiftPlan(tuple(dissolve), tuple(form), "iteration:static")
+
+
+def serve_starving(state: ClusterState, now: float) -> ShiftPlan | None:
+    """Liveness: a role with queued work and no replica gets one from idle devices (free, or replicas with
+    nothing running and nothing queued for their role, out of their cooldown), whatever the shift costs.
+
+    Why outside the planner's B = G − φ: G counts work over the horizon, but a role with no replica is
+    waited on by the whole iteration, which cannot end without it. With a slow first load (a 90 s kernel
+    compile) every candidate's φ exceeded G and a one-device run never moved to reward. Busy donors still
+    have to pay their way through the planner."""
+    cfg = state.config
+    cutoff = now - cfg.cooldown_s
+    for role in PIPELINE:
+        if role not in state.roles or not state.queues[role] or state.by_role[role]:
+            continue
+        g = cfg.devices_per_replica(role)
+        idle: list[str] = list(state.free_devices())
+        dissolve: list[str] = []
+        for other in state.roles:
+            if other is role or state.queues[other]:
+                continue
+            for rep in sorted(state.by_role[other].values(), key=lambda r: r.replica_id):
+                if rep.state is ReplicaState.ACTIVE and rep.n == 0 and all(
+                    state.device_shifted_at.get(d, -1e18) <= cutoff for d in rep.devices
+                ):
+                    dissolve.append(rep.replica_id)
+                    idle.extend(rep.devices)
+                if len(idle) >= g:
+                    break
+        if len(idle) < g:
+            continue
+        taken = idle[:g]  # a dissolved replica's devices beyond these become free
+        used = [rid for rid in dissolve if any(d in taken for d in state.replicas[rid].devices)]
+        return ShiftPlan(tuple(used), ((role, tuple(taken)),), f"liveness:{role}")
+    return None
