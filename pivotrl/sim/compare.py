@@ -15,6 +15,7 @@ import math
 import time
 from typing import Any
 
+from pivotrl.errors import UserError
 from pivotrl.sim.config import ROLES, SimConfig
 from pivotrl.sim.engine import SimResult, Simulator
 from pivotrl.sim.fluid import fluid_bound, latency_bound
@@ -179,7 +180,10 @@ def best_grouping(cfg: SimConfig, log: Any = None) -> tuple[SimResult, dict[str,
     """Fewer devices than one replica per role: the best static grouping, every one simulated."""
     groupings = all_groupings(cfg)
     if not groupings:
-        raise ValueError("no feasible static split or grouping")
+        raise UserError(
+            f"cluster.devices: {cfg.cluster.devices} device(s) admit no static split or grouping of the "
+            "three roles (each group needs a whole replica)"
+        )
     runs = []
     for grp in groupings:
         r = simulate(cfg, "grouped", grp, iterations=cfg.search.iterations, record=False)

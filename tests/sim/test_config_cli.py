@@ -93,3 +93,13 @@ def test_simulate_never_writes_over_its_own_inputs(tmp_path, capsys):
         assert cli.main(["simulate", str(cfg), "--json", out]) == 2
         assert "is an input of this command" in capsys.readouterr().err
     assert hashlib.sha256(cfg.read_bytes()).hexdigest() == before
+
+
+def test_simulate_on_too_few_devices_for_any_static_baseline_is_one_line(capsys):
+    from pivotrl import cli
+
+    cfg = Path(__file__).resolve().parents[2] / "configs/sim/cpu-2dev.yaml"
+    argv = ["simulate", str(cfg), "--set", "cluster.devices=1", "--set", "workload.iterations=1"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "cluster.devices: 1 device(s) admit no static split" in err and err.count("\n") == 1
