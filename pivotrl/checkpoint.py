@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from pivotrl import faults
+from pivotrl.durable import fsync_dir
 from pivotrl.errors import UserError
 
 CHECKPOINTS = "checkpoints"
@@ -64,14 +65,6 @@ class RunCheckpoint:
     eval: dict[str, float] = field(default_factory=dict)
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write(path: Path, data: bytes) -> None:
     with open(path, "wb") as f:
         f.write(data)
@@ -93,16 +86,16 @@ def save(run_dir: Path, ckpt: RunCheckpoint, trainer_state: dict[str, Any]) -> P
         os.fsync(f.fileno())
     faults.point("checkpoint")
     _write(tmp / "state.json", json.dumps(asdict(ckpt), default=_json_default).encode())
-    _fsync_dir(tmp)
+    fsync_dir(tmp)
     final = root / name
     if final.exists():  # the same iteration committed by an earlier attempt that died before LATEST
         shutil.rmtree(final)
     tmp.rename(final)
-    _fsync_dir(root)
+    fsync_dir(root)
     pointer = root / f".{LATEST}-{uuid.uuid4().hex[:8]}"
     _write(pointer, name.encode())
     pointer.replace(root / LATEST)
-    _fsync_dir(root)
+    fsync_dir(root)
     _prune(root, keep=name)
     return final
 

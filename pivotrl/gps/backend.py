@@ -20,6 +20,8 @@ import shutil
 import uuid
 from typing import Protocol
 
+from pivotrl.durable import fsync_dir
+
 _IOV_MAX = 512
 
 
@@ -72,7 +74,7 @@ class LocalBackend:
         finally:
             os.unlink(tmp)
         if self.fsync:
-            _fsync_dir(os.path.dirname(path))
+            fsync_dir(os.path.dirname(path))
         return True
 
     def list_dir(self, path: str) -> list[str]:
@@ -140,15 +142,7 @@ class LocalBackend:
 
     def sync_dir(self, path: str) -> None:
         if self.fsync:
-            _fsync_dir(path)
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+            fsync_dir(path)
 
 
 class FsspecBackend:

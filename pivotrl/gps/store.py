@@ -557,13 +557,7 @@ class ParameterStore:
         self.flush()
         vs = self.versions(model)
         keep = set(vs[-keep_last:]) | set(self.pinned(model))
-        doomed = [v for v in vs if v not in keep]
-        for v in doomed:
-            self.device_tier.drop((model, v))
-            for _, backend in reversed(self._tiers()):
-                self._retire(backend, model, v)
-        self.sweep(model)
-        return doomed
+        return self._delete_versions(model, [v for v in vs if v not in keep])
 
     def discard_newer(self, model: str, version: int) -> list[int]:
         """Delete every version of `model` newer than `version` in every tier; returns those deleted.
@@ -572,7 +566,10 @@ class ParameterStore:
         nothing, and the resumed run publishes those numbers again (versions are immutable)."""
         validate_model_name(model)
         self.flush()
-        doomed = [v for v in self.versions(model) if v > version]
+        return self._delete_versions(model, [v for v in self.versions(model) if v > version])
+
+    def _delete_versions(self, model: str, doomed: list[int]) -> list[int]:
+        """Retire `doomed` in every tier (the persistent one first), then sweep the leftovers; returns it."""
         for v in doomed:
             self.device_tier.drop((model, v))
             for _, backend in reversed(self._tiers()):
