@@ -29,8 +29,9 @@ async def collect_until(c, ids: set[str], timeout_s: float = 30.0) -> dict:
     return got
 
 
-@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, timeout=90)
-async def test_plugins_run_items_and_shift_through_the_handlers(c, s, a, b):
+async def rollout_and_reward_workers(c, s) -> PivotSchedulerPlugin:
+    """Install the paired plugins (core's manual policy) and wait until the two workers hold rollout and
+    reward; returns the scheduler's plugin."""
     await c.register_plugin(PivotSchedulerPlugin(manual(["rollout", "reward"]), specs(), tick_s=0.05,
                                                  session="t"))
     await c.register_plugin(PivotWorkerPlugin(session="t", pin_cores=False, idle_poll_s=0.005))
@@ -40,6 +41,14 @@ async def test_plugins_run_items_and_shift_through_the_handlers(c, s, a, b):
     while sorted(w.role or "" for w in plugin.orch.workers.values()) != ["reward", "rollout"]:
         assert loop.time() < deadline, {w.name: (w.role, w.status) for w in plugin.orch.workers.values()}
         await asyncio.sleep(0.02)
+    return plugin
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, timeout=90)
+async def test_plugins_run_items_and_shift_through_the_handlers(c, s, a, b):
+    plugin = await rollout_and_reward_workers(c, s)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 30
     items = [WorkRequest(f"x{i}", "rollout", {"target_len": 7}, max_new_tokens=7).to_wire() for i in range(6)]
     assert await c.scheduler.pivotrl_submit(items=items) == 6
     got = await collect_until(c, {f"x{i}" for i in range(6)})

@@ -9,10 +9,7 @@ import pytest
 from distributed.utils_test import gen_cluster
 
 from pivotrl.runtime.messages import IterationReport, WorkRequest
-from pivotrl.runtime.scheduler_plugin import PivotSchedulerPlugin
-from pivotrl.runtime.worker_plugin import PivotWorkerPlugin
-from tests.runtime.test_mechanism import manual, specs
-from tests.runtime.test_plugins import collect_until
+from tests.runtime.test_plugins import collect_until, rollout_and_reward_workers
 
 pytest.importorskip("prometheus_client")
 
@@ -34,15 +31,9 @@ async def scrape(s) -> dict[str, float]:
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, timeout=90,
              scheduler_kwargs={"dashboard": True, "dashboard_address": ":0"})
 async def test_metrics_endpoint_shows_roles_tokens_shifts_and_the_iteration(c, s, a, b):
-    await c.register_plugin(PivotSchedulerPlugin(manual(["rollout", "reward"]), specs(), tick_s=0.05,
-                                                 session="t"))
-    await c.register_plugin(PivotWorkerPlugin(session="t", pin_cores=False, idle_poll_s=0.005))
-    plugin = s.plugins["pivotrl"]
+    plugin = await rollout_and_reward_workers(c, s)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + 30
-    while sorted(w.role or "" for w in plugin.orch.workers.values()) != ["reward", "rollout"]:
-        assert loop.time() < deadline
-        await asyncio.sleep(0.02)
     before = await scrape(s)
     assert before["pivotrl_tokens_total{role=rollout}"] == 0
     items = [WorkRequest(f"x{i}", "rollout", {"target_len": 7}, max_new_tokens=7).to_wire() for i in range(4)]
