@@ -62,13 +62,17 @@ class IterationRun:
         self.first = next(
             (i for i, st in enumerate(self.stages[: self.train_idx]) if st.role is not None), None
         )
-        self.rollouts_left = len(samples) if self.first is not None else 0
         self.seconds = 0.0
 
     # -- driver interface -----------------------------------------------------------------------------------
     @property
     def done(self) -> bool:
         return self.current >= len(self.slices)
+
+    @property
+    def rollouts_done(self) -> bool:
+        """Every sample has left the first device stage (its result came back, or it skipped it)."""
+        return self.first is None or all(self.at.get(s.uid, -1) > self.first for s in self.samples)
 
     def start(self) -> None:
         for s in self.samples:
@@ -117,8 +121,6 @@ class IterationRun:
             raise RuntimeError(f"result of stage {stage_name} for {uid}, which is at {stage.name}")
         stage.complete(sample, res, self.ctx)
         self.stage_last[stage.name] = time.monotonic() - self.t0
-        if idx == self.first:
-            self.rollouts_left -= 1
         self._enter(sample, idx + 1)
 
     def owns(self, item_id: str) -> bool:
@@ -172,7 +174,6 @@ class IterationRun:
         )
 
     def _enter(self, sample: Sample, idx: int) -> None:
-        first = self.first
         while idx < len(self.stages):
             stage = self.stages[idx]
             self.at[sample.uid] = idx
@@ -185,8 +186,6 @@ class IterationRun:
             if stage.role is not None:
                 req = stage.request(sample, self.ctx)
                 if req is None:  # this sample skips the stage
-                    if idx == first:
-                        self.rollouts_left -= 1
                     idx += 1
                     continue
                 self._request(sample, stage, req)

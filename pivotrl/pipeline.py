@@ -440,7 +440,7 @@ def run_iterations(
 
     while True:
         while started < iterations and not budget_hit:
-            newest_done = not runs or runs[-1].rollouts_left == 0
+            newest_done = not runs or runs[-1].rollouts_done
             if not bound.may_start(InFlight(started, trained, newest_done)):
                 break
             over = time_budget_s is not None and time.monotonic() - t_start >= time_budget_s
