@@ -298,6 +298,39 @@ class StepStats:
         return d
 
 
+def prepare_step(total: GradSum, grad_clip: float) -> tuple[StepStats, dict[str, torch.Tensor] | None]:
+    """The step's statistics and its clipped, token-normalised gradients (None: the step is skipped).
+
+    Shared by the single optimizer owner and every rank of a sharded train group (each holds the whole
+    all-reduced sum), so the clip scale, computed from the full gradient the same way, is the same on all.
+    """
+    n = max(total.tokens, 1)
+    stats = StepStats(
+        version=total.version,
+        skipped=False,
+        tokens=total.tokens,
+        samples=total.samples,
+        loss=total.loss_sum / n,
+        pg_loss=total.pg_sum / n,
+        kl_ref=total.kl_ref_sum / n,
+        kl_old=total.kl_old_sum / n,
+        clip_frac=total.clipped / n,
+    )
+    if total.tokens == 0:
+        stats.skipped, stats.reason = True, "no response tokens"
+        return stats, None
+    grads = {name: g / n for name, g in total.grads.items()}
+    norms = torch.stack([torch.linalg.vector_norm(g.double()) for g in grads.values()])
+    norm = torch.linalg.vector_norm(norms)
+    stats.grad_norm = float(norm)
+    if total.nonfinite or not math.isfinite(stats.grad_norm) or not math.isfinite(stats.loss):
+        stats.skipped, stats.reason = True, "non-finite loss or gradient: step skipped, weights unchanged"
+        log.warning("GRPO step at version %d skipped: %s", total.version, stats.reason)
+        return stats, None
+    scale = min(1.0, grad_clip / (stats.grad_norm + 1e-12))
+    return stats, {name: g * scale for name, g in grads.items()}
+
+
 class GRPOTrainer:
     """Holds the policy, the (optional) frozen reference and the one AdamW state of the run.
 
@@ -361,33 +394,18 @@ class GRPOTrainer:
         """Normalise by the global token count, guard against NaN/inf, clip, step AdamW once."""
         if total.version != self.version:
             raise ValueError(f"gradients are of version {total.version}, the policy is at {self.version}")
-        n = max(total.tokens, 1)
-        stats = StepStats(
-            version=self.version,
-            skipped=False,
-            tokens=total.tokens,
-            samples=total.samples,
-            loss=total.loss_sum / n,
-            pg_loss=total.pg_sum / n,
-            kl_ref=total.kl_ref_sum / n,
-            kl_old=total.kl_old_sum / n,
-            clip_frac=total.clipped / n,
-        )
-        if total.tokens == 0:
-            stats.skipped, stats.reason = True, "no response tokens"
+        stats, grads = prepare_step(total, self.grad_clip)
+        if grads is None:
+            self.skipped_steps += stats.reason.startswith("non-finite")
             return stats
-        grads = {name: g / n for name, g in total.grads.items()}
-        norms = torch.stack([torch.linalg.vector_norm(g.double()) for g in grads.values()])
-        norm = torch.linalg.vector_norm(norms)
-        stats.grad_norm = float(norm)
-        if total.nonfinite or not math.isfinite(stats.grad_norm) or not math.isfinite(stats.loss):
-            self.skipped_steps += 1
-            stats.skipped, stats.reason = True, "non-finite loss or gradient: step skipped, weights unchanged"
-            log.warning("GRPO step at version %d skipped: %s", self.version, stats.reason)
-            return stats
-        scale = min(1.0, self.grad_clip / (stats.grad_norm + 1e-12))
-        for name, p in self.params.items():
-            p.grad = (grads[name] * scale).to(p.dtype).to(p.device)
+        self.step_params(self.params, grads)
+        stats.version = self.version
+        return stats
+
+    def step_params(self, params: dict[str, torch.nn.Parameter], grads: dict[str, torch.Tensor]) -> None:
+        """AdamW over `params` (all of the model, or the shard a train rank owns) with clipped `grads`."""
+        for name, p in params.items():
+            p.grad = grads[name].to(p.dtype).to(p.device)
         # Linear warm-up: Adam's first updates are ~lr * sign(g) for every weight, which on a noisy RL
         # gradient is a large random kick; ramping lr lets the moment estimates settle first.
         warm = min(1.0, (self.steps_applied + 1) / self.warmup_steps) if self.warmup_steps > 0 else 1.0
@@ -397,8 +415,6 @@ class GRPOTrainer:
         self.steps_applied += 1
         self.optimizer.zero_grad(set_to_none=True)
         self.version += 1
-        stats.version = self.version
-        return stats
 
     def step(self, samples: Sequence[TrainSample]) -> StepStats:
         return self.apply(self.accumulate(samples))

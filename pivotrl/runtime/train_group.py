@@ -1,0 +1,247 @@
+"""The train group's mechanism: a `torch.distributed` group of the train-role devices, a bucketed all-reduce
+of their gradient sums, ZeRO-1 (each rank steps AdamW on the tensors it owns), and the new version written
+by the ranks — each its shard — and committed by rank 0.
+
+Decisions (who is rank r, which tensors it owns, the buckets) come from `pivotrl.core.train_group`; this
+module only executes them. Why all-reduce and not reduce-scatter: every rank then holds the whole reduced
+gradient, so the clip scale is computed from the full gradient exactly as the single optimizer owner does
+(`pivotrl.engines.trainer.prepare_step`), with no second collective for the norm; the optimizer state —
+two moments per weight, the memory ZeRO-1 exists to divide — is still held once across the ranks. Why
+torch AdamW on the owned parameters (a `GRPOTrainer` whose other parameters never get a gradient, so torch
+allocates no state for them): with one rank this *is* the single-owner step, bit for bit.
+
+Every collective waits at most `timeout_s`; a rank that does not answer makes the others raise
+`TrainGroupLost` (one line), and rank 0 commits a version only after every rank reported its shard
+written, so a lost rank leaves nothing half-committed.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pivotrl.core.train_group import TrainGroupPlan, buckets, shard_ranges
+from pivotrl.engines.trainer import GradSum, GRPOTrainer, StepStats, prepare_step, reduce
+from pivotrl.gps import shards
+
+#: Elements per all-reduce bucket (25 M fp32 = 100 MB, torch DDP's default is 25 MB; fewer, larger
+#: collectives suit gloo's per-call latency on CPU).
+BUCKET_ELEMS = 1 << 22
+_ID_BYTES = 96
+
+
+class TrainGroupLost(RuntimeError):
+    """A rank of the train group did not answer within the timeout; nothing was committed."""
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What one sharded step did: its statistics, and the versions it committed (None: skipped)."""
+
+    stats: StepStats
+    policy_version: int | None = None
+
+
+class Group:
+    """One process's handle on a formed group: the collectives pivotrl uses, each with a timeout."""
+
+    def __init__(self, pg: Any, plan: TrainGroupPlan, rank: int, timeout_s: float, device: str) -> None:
+        self.pg, self.plan, self.rank, self.timeout_s, self.device = pg, plan, rank, timeout_s, device
+
+    @property
+    def world(self) -> int:
+        return self.plan.world
+
+    def _wait(self, work: Any, what: str) -> None:
+        try:
+            ok = work.wait(datetime.timedelta(seconds=self.timeout_s))
+        except RuntimeError as exc:
+            raise TrainGroupLost(
+                f"train group {self.plan.group_id} (world {self.world}): {what} on rank {self.rank} got no "
+                f"answer from every rank within {self.timeout_s:g}s ({str(exc).splitlines()[0][:160]})"
+            ) from None
+        if ok is False:
+            raise TrainGroupLost(f"train group {self.plan.group_id}: {what} on rank {self.rank} timed out")
+
+    def allreduce_(self, t: torch.Tensor, what: str = "all-reduce") -> torch.Tensor:
+        if self.world > 1:
+            self._wait(self.pg.allreduce([t]), what)
+        return t
+
+    def broadcast_(self, t: torch.Tensor, root: int = 0, what: str = "broadcast") -> torch.Tensor:
+        if self.world > 1:
+            opts = torch.distributed.BroadcastOptions()
+            opts.rootRank, opts.rootTensor = root, 0
+            self._wait(self.pg.broadcast([t], opts), what)
+        return t
+
+    def broadcast_str(self, s: str, root: int = 0) -> str:
+        buf = torch.zeros(_ID_BYTES, dtype=torch.uint8)
+        if self.rank == root:
+            raw = s.encode()
+            buf[: len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+        self.broadcast_(buf, root, "broadcast of the shard target")
+        return bytes(buf.tolist()).rstrip(b"\0").decode()
+
+
+def backend_for(device: str) -> str:
+    """NCCL for CUDA devices, gloo otherwise: one code path, the backend chosen by the device."""
+    return "nccl" if str(device).startswith("cuda") else "gloo"
+
+
+def form_group(kv: Any, plan: TrainGroupPlan, rank: int, *, device: str = "cpu",
+               timeout_s: float = 60.0) -> Group:
+    """Join group `plan.group_id` as `rank` through the key-value store `kv` (a `torch.distributed.Store`
+    whose address the scheduler plugin hands out); blocks until every member joined or `timeout_s`."""
+    from torch import distributed as dist
+
+    prefix = dist.PrefixStore(f"pivotrl-train-g{plan.group_id}", kv)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    try:
+        if backend_for(device) == "nccl":
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            pg = dist.ProcessGroupNCCL(prefix, rank, plan.world, opts)
+        else:
+            pg = dist.ProcessGroupGloo(prefix, rank, plan.world, timeout)
+    except RuntimeError as exc:
+        raise TrainGroupLost(f"train group {plan.group_id} (world {plan.world}) could not form on rank "
+                             f"{rank} within {timeout_s:g}s ({str(exc).splitlines()[0][:160]})") from None
+    return Group(pg, plan, rank, timeout_s, device)
+
+
+_STATS = ("tokens", "samples", "loss_sum", "pg_sum", "kl_ref_sum", "kl_old_sum", "clipped")
+
+
+class TrainRank:
+    """One rank's part of the optimizer: owns the tensors of its run (`core.train_group.shard_ranges`) and
+    their AdamW moments; computes nothing about the others' tensors but their gradient's norm."""
+
+    def __init__(self, trainer: GRPOTrainer, group: Group, bucket_elems: int = BUCKET_ELEMS) -> None:
+        self.trainer, self.group = trainer, group
+        self.names = list(trainer.params)
+        sizes = [trainer.params[n].numel() for n in self.names]
+        self.runs = shard_ranges(sizes, group.world)
+        self.buckets = buckets(sizes, bucket_elems)
+        self.owned = {self.names[i]: trainer.params[self.names[i]] for i in self.runs[group.rank]}
+        self._state_names = self._state_dict_owners()
+
+    def _state_dict_owners(self) -> dict[str, int]:
+        """state-dict name → rank writing it: a parameter's owner (tied aliases included); buffers: rank 0."""
+        by_ptr = {}
+        for r, run in enumerate(self.runs):
+            for i in run:
+                by_ptr[self.trainer.params[self.names[i]].data_ptr()] = r
+        return {n: by_ptr.get(t.data_ptr(), 0) for n, t in self.trainer.model.state_dict().items()}
+
+    # -- the step -------------------------------------------------------------------------------------
+    def reduce(self, local: GradSum | None, folded: Sequence[GradSum] = ()) -> GradSum:
+        """The group's total: this rank's sum plus the flushed sums it folds in, all-reduced in buckets."""
+        mine = [g for g in ([local] if local is not None else []) + list(folded)]
+        t = self.trainer
+        own = reduce(mine) if mine else GradSum(grads={}, version=t.version)
+        if own.version != t.version:
+            raise ValueError(f"gradients are of version {own.version}, the policy is at {t.version}")
+        vec = torch.tensor([float(getattr(own, k)) for k in _STATS] + [float(own.nonfinite), 1.0],
+                           dtype=torch.float64)
+        self.group.allreduce_(vec, "all-reduce of the token counts")
+        grads: dict[str, torch.Tensor] = {}
+        for b in self.buckets:
+            names = [self.names[i] for i in b]
+            parts = [own.grads[n] if n in own.grads else torch.zeros_like(t.params[n]) for n in names]
+            flat = torch.cat([p.detach().reshape(-1) for p in parts])
+            self.group.allreduce_(flat, f"all-reduce of gradient bucket {names[0]}..")
+            at = 0
+            for n, p in zip(names, parts, strict=True):
+                grads[n] = flat[at : at + p.numel()].view_as(p)
+                at += p.numel()
+        if int(vec[-1]) != self.group.world:
+            raise TrainGroupLost(f"train group {self.group.plan.group_id}: {int(vec[-1])} of "
+                                 f"{self.group.world} ranks took part in the step")
+        return GradSum(grads=grads, tokens=int(vec[0]), samples=int(vec[1]), version=t.version,
+                       loss_sum=float(vec[2]), pg_sum=float(vec[3]), kl_ref_sum=float(vec[4]),
+                       kl_old_sum=float(vec[5]), clipped=int(vec[6]), nonfinite=bool(vec[7] > 0))
+
+    def step(self, local: GradSum | None, folded: Sequence[GradSum] = ()) -> StepStats:
+        """All-reduce, then AdamW on the owned tensors only; the version advances on every rank."""
+        total = self.reduce(local, folded)
+        stats, grads = prepare_step(total, self.trainer.grad_clip)
+        if grads is None:
+            self.trainer.skipped_steps += stats.reason.startswith("non-finite")
+            return stats
+        self.trainer.step_params(self.owned, grads)
+        stats.version = self.trainer.version
+        return stats
+
+    # -- the store ------------------------------------------------------------------------------------
+    def weight_shard(self) -> dict[str, torch.Tensor]:
+        sd = self.trainer.model.state_dict()
+        return {n: sd[n] for n, r in self._state_names.items() if r == self.group.rank}
+
+    def optim_shard(self) -> dict[str, torch.Tensor]:
+        """The owned tensors' AdamW state by name (`exp_avg/<param>` ...), and rank 0's counters."""
+        opt = self.trainer.optimizer
+        out: dict[str, torch.Tensor] = {}
+        for n, p in self.owned.items():
+            for k, v in opt.state.get(p, {}).items():
+                out[f"{k}/{n}"] = v
+        if self.group.rank == 0:
+            out["meta/steps_applied"] = torch.tensor(self.trainer.steps_applied, dtype=torch.int64)
+            out["meta/skipped_steps"] = torch.tensor(self.trainer.skipped_steps, dtype=torch.int64)
+        return out
+
+    def publish(self, store: Any, model: str, version: int | None = None) -> int:
+        """Write this rank's shards of the policy `version` (default: the trainer's) and of its optimizer
+        state (`<model>.optim`); rank 0 commits both once every rank reported its shards written."""
+        v = self.trainer.version if version is None else int(version)
+        g = self.group
+        targets = [shards.new_target(f"{model}.optim", v, g.world), shards.new_target(model, v, g.world)]
+        ids = [g.broadcast_str(t.data_id) for t in targets]
+        targets = [shards.ShardTarget(t.model, t.version, i, t.nshards) for t, i in zip(targets, ids,
+                                                                                          strict=True)]
+        ok = torch.ones(1, dtype=torch.float64)
+        try:
+            shards.write_shard(store, targets[0], g.rank, self.optim_shard())
+            shards.write_shard(store, targets[1], g.rank, self.weight_shard())
+        except Exception:
+            ok.zero_()
+            g.allreduce_(ok, "shard-written barrier")
+            raise
+        g.allreduce_(ok, "shard-written barrier")
+        if int(ok) != g.world:
+            raise TrainGroupLost(f"train group {g.plan.group_id}: a rank failed to write its shard of "
+                                 f"{model!r} version {v}; nothing committed")
+        done = torch.zeros(1, dtype=torch.float64)
+        if g.rank == 0:
+            shards.commit_shards(store, targets[0])
+            shards.commit_shards(store, targets[1], order=list(self._state_names))
+            done.fill_(1.0)
+        g.broadcast_(done, 0, "commit notice")
+        return v
+
+    def load_optim(self, store: Any, model: str, version: int) -> None:
+        """This rank's optimizer state from `<model>.optim` at `version`: only its own tensors' slices are
+        read (a store fetch by name reads byte ranges), whatever the world size that wrote them."""
+        want = [f"{k}/{n}" for n in self.owned for k in ("step", "exp_avg", "exp_avg_sq")]
+        man = store.manifest(f"{model}.optim", version)
+        present = set(man.names)
+        got = store.fetch(f"{model}.optim", version, names=[w for w in want if w in present]
+                          + ["meta/steps_applied", "meta/skipped_steps"])
+        opt = self.trainer.optimizer
+        for n, p in self.owned.items():
+            if f"exp_avg/{n}" in got:
+                opt.state[p] = {k: got[f"{k}/{n}"].clone() for k in ("step", "exp_avg", "exp_avg_sq")}
+        self.trainer.steps_applied = int(got["meta/steps_applied"])
+        self.trainer.skipped_steps = int(got["meta/skipped_steps"])
+        self.trainer.version = int(version)
+
+    def refresh(self, store: Any, model: str, version: int) -> None:
+        """Load the tensors other ranks stepped from the committed `version` (this rank's own are current),
+        so the rank computes its next gradients at the new policy."""
+        others = [n for n, r in self._state_names.items() if r != self.group.rank]
+        if others:
+            self.trainer.model.load_state_dict(store.fetch(model, version, names=others), strict=False)

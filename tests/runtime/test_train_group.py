@@ -1,0 +1,137 @@
+"""The sharded train group (ZeRO-1 over gloo) against the single optimizer owner, in fp64.
+
+Ranks are threads of this process, each with its own model copy and its own gloo process group over one
+in-process key-value store: the collectives, the shard writes and the manifest commit are the real ones.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import distributed as dist
+
+from pivotrl.core.train_group import TrainGroupPlan, decide_group
+from pivotrl.engines.trainer import GRPOTrainer, compute_grad_sum, reduce
+from pivotrl.gps import NotFoundError, ParameterStore
+from pivotrl.runtime.train_group import TrainGroupLost, TrainRank, form_group
+from tests.engines.test_trainer import PAD, random_samples, tiny_model
+
+NAME = "policy"
+KW: dict[str, Any] = {"pad_id": PAD, "lr": 0.05, "micro_batch": 3, "grad_clip": 0.5, "weight_decay": 0.01,
+                      "warmup_steps": 2}
+TIMEOUT = 20.0
+
+
+def _trainer() -> GRPOTrainer:
+    return GRPOTrainer(tiny_model(0, torch.float64), **KW)
+
+
+def _sum(trainer: GRPOTrainer, samples: list) -> Any:
+    return compute_grad_sum(trainer.model, samples, pad_id=PAD, micro_batch=3, version=trainer.version)
+
+
+class Ranks:
+    """The ranks of successive groups over one store; each group formed afresh when membership changes."""
+
+    def __init__(self, root: Path) -> None:
+        self.store = ParameterStore(root / "gps", write_behind=False)
+        self.plan: TrainGroupPlan | None = None
+        self.kv = dist.HashStore()
+        ref = _trainer()
+        self.store.publish(NAME, 0, ref.model.state_dict())
+
+    def step(self, world: int, samples: list, departed: list | None = None, version: int = 0,
+             lose: int | None = None, lose_at: str = "step") -> list[Any]:
+        """One step of `world` ranks on disjoint slices of `samples`; rank 0 folds in `departed`'s sum."""
+        self.plan = decide_group(self.plan, [f"w{i}" for i in range(world)], step=version)
+        plan = self.plan
+
+        def run(rank: int) -> Any:
+            t = _trainer()
+            t.model.load_state_dict(self.store.fetch(NAME, version))
+            group = form_group(self.kv, plan, rank, timeout_s=TIMEOUT if lose is None else 3.0)
+            tr = TrainRank(t, group, bucket_elems=300)
+            if version > 0:
+                tr.load_optim(self.store, NAME, version)
+            t.version = version
+            if lose == rank and lose_at == "step":
+                return "lost"
+            mine = _sum(t, samples[rank::world])
+            folded = [_sum(t, departed)] if departed and rank == 0 else []
+            stats = tr.step(mine, folded)
+            if lose == rank and lose_at == "publish":
+                return "lost"
+            tr.publish(self.store, NAME)
+            tr.refresh(self.store, NAME, t.version)
+            return stats, t
+
+        with ThreadPoolExecutor(world) as ex:
+            futs = [ex.submit(run, r) for r in range(world)]
+            return [f.exception() or f.result() for f in futs]
+
+
+def _reference(steps: list[tuple[list, list | None]]) -> GRPOTrainer:
+    ref = _trainer()
+    for samples, departed in steps:
+        sums = [_sum(ref, samples)] + ([_sum(ref, departed)] if departed else [])
+        ref.apply(reduce(sums))
+    return ref
+
+
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def test_one_rank_is_bit_identical_to_the_single_owner(tmp_path: Path) -> None:
+    ranks = Ranks(tmp_path)
+    batches = [random_samples(7, s) for s in (1, 2)]
+    for v, b in enumerate(batches):
+        (out,) = ranks.step(1, b, version=v)
+        assert not isinstance(out, BaseException), out
+    ref = _reference([(b, None) for b in batches])
+    got = ranks.store.fetch(NAME, 2)
+    assert all(torch.equal(got[k], v) for k, v in ref.model.state_dict().items())
+    opt = ranks.store.fetch(f"{NAME}.optim", 2)
+    for n, p in ref.params.items():
+        assert torch.equal(opt[f"exp_avg_sq/{n}"], ref.optimizer.state[p]["exp_avg_sq"])
+
+
+def test_two_ranks_with_a_departed_sum_and_reshards_match_the_single_owner(tmp_path: Path) -> None:
+    """2 ranks (+ a departed replica's flushed sum) → 1 rank → 2 ranks → 4 ranks, each step re-sharding
+    the optimizer state it reads from the store."""
+    ranks = Ranks(tmp_path)
+    plan = [(2, random_samples(8, 1), random_samples(3, 9)), (1, random_samples(6, 2), None),
+            (2, random_samples(9, 3), None), (4, random_samples(8, 4), random_samples(2, 5))]
+    for v, (world, samples, departed) in enumerate(plan):
+        out = ranks.step(world, samples, departed, version=v)
+        assert all(not isinstance(o, BaseException) for o in out), out
+        norms = {o[0].grad_norm for o in out}
+        assert len(norms) == 1  # every rank clips by the same norm
+        for _, t in out:  # every rank's model is the committed version after `refresh`
+            assert _max_diff(t.model.state_dict(), ranks.store.fetch(NAME, v + 1)) == 0.0
+    # the reference sees each step's samples in the ranks' order: slice 0, (departed), slice 1, ...
+    ref = _reference([(s, d) for _, s, d in plan])
+    assert _max_diff(ranks.store.fetch(NAME, len(plan)), ref.model.state_dict()) <= 1e-10
+    opt = ranks.store.fetch(f"{NAME}.optim", len(plan))
+    for n, p in ref.params.items():
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert float((opt[f"{k}/{n}"] - ref.optimizer.state[p][k]).abs().max()) <= 1e-10
+    assert int(opt["meta/steps_applied"]) == ref.steps_applied == len(plan)
+
+
+@pytest.mark.parametrize("lose_at", ["step", "publish"])
+def test_a_lost_rank_stops_the_step_with_one_line_and_commits_nothing(tmp_path: Path, lose_at: str) -> None:
+    ranks = Ranks(tmp_path)
+    out = ranks.step(2, random_samples(6, 1), version=0, lose=1, lose_at=lose_at)
+    assert out[1] == "lost"
+    assert isinstance(out[0], TrainGroupLost), out[0]
+    assert "\n" not in str(out[0]) and "within 3s" in str(out[0])
+    with pytest.raises(NotFoundError):
+        ranks.store.fetch(NAME, 1)
+    with pytest.raises(NotFoundError):
+        ranks.store.fetch(f"{NAME}.optim", 1)
