@@ -243,5 +243,10 @@ class TrainRank:
         """Load the tensors other ranks stepped from the committed `version` (this rank's own are current),
         so the rank computes its next gradients at the new policy."""
         others = [n for n, r in self._state_names.items() if r != self.group.rank]
-        if others:
-            self.trainer.model.load_state_dict(store.fetch(model, version, names=others), strict=False)
+        if not others:
+            return
+        got = store.fetch(model, version, names=others, copy=False)
+        sd = self.trainer.model.state_dict()
+        with torch.no_grad():  # in place: tied aliases and the owned tensors stay as they are
+            for n in others:
+                sd[n].copy_(got[n])

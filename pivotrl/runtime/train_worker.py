@@ -1,0 +1,167 @@
+"""One train rank's step, run as a Dask task on a device worker (the sharded optimizer owner).
+
+The rank's `TrainRank` (its weights, its optimizer shard, its process group) stays in this worker process
+between steps, keyed by the policy name, and is rebuilt only when the group changes — then the optimizer
+shard it now owns is read from the store (`<policy>.optim` at the current version): a re-shard reads only
+the tensors the rank owns, whatever the world size that wrote them.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass, field
+from typing import Any
+
+from pivotrl.core.train_group import TrainGroupPlan
+
+_RANKS: dict[str, Any] = {}  # policy → _Held (this process's rank of that policy's train group)
+
+
+@dataclass(frozen=True)
+class SumRef:
+    """A flushed gradient sum in the store, and its statistics (`GradStats.as_kwargs()`)."""
+
+    model: str
+    version: int
+    stats: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class RankStep:
+    """What the driver sends each rank: the group, the step, whose sums it reduces. Plain data only."""
+
+    policy: str
+    version: int  # the policy version the sums are gradients of
+    plan: TrainGroupPlan
+    rank: int
+    sums: tuple[SumRef, ...]  # this rank's share: its own flushed sum(s); rank 0 also the departed ones
+    hf_dir: str
+    dtype: str
+    pad_id: int
+    cfg: Any  # the run's PipelineConfig (its `train` section sets the optimizer)
+    keep_last: int = 3
+    timeout_s: float = 60.0
+    gps: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class _Held:
+    group_id: int
+    rank: Any
+    kv: Any
+
+
+def _store(job: RankStep) -> Any:
+    from pivotrl.gps import ParameterStore
+
+    opts = dict(job.gps)
+    root = opts.pop("root")
+    return ParameterStore(root, device_tier_bytes=0, write_behind=False,
+                          **{k: v for k, v in opts.items() if k == "host_tier"})
+
+
+def _kv(job: RankStep, address: Any) -> Any:
+    """Rank 0 hosts the group's key-value store and posts its address through the scheduler plugin; the
+    other ranks look it up there."""
+    from torch import distributed as dist
+
+    policy, gid = job.policy, job.plan.group_id
+    if job.rank == 0:
+        host = socket.gethostbyname(socket.gethostname()) if address is None else address
+        kv = dist.TCPStore(host, 0, job.plan.world, is_master=True, wait_for_workers=False,
+                           timeout=_td(job.timeout_s))
+        _call("pivotrl_train_post", policy=policy, group_id=gid, address=f"{host}:{kv.port}")
+        return kv
+    addr = _call("pivotrl_train_lookup", policy=policy, group_id=gid, timeout_s=job.timeout_s)
+    if addr is None:
+        from pivotrl.runtime.train_group import TrainGroupLost
+
+        raise TrainGroupLost(f"train group {gid}: rank 0 posted no address within {job.timeout_s:g}s")
+    host, port = addr.rsplit(":", 1)
+    return dist.TCPStore(host, int(port), job.plan.world, is_master=False, timeout=_td(job.timeout_s))
+
+
+def _td(s: float) -> Any:
+    import datetime
+
+    return datetime.timedelta(seconds=s)
+
+
+def _call(name: str, **kw: Any) -> Any:
+    from distributed import get_worker
+    from distributed.utils import sync
+
+    w = get_worker()
+    return sync(w.loop, getattr(w.scheduler, name), **kw)
+
+
+def _build(job: RankStep, store: Any, kv: Any) -> Any:
+    import torch
+
+    from pivotrl.grpo import make_trainer
+    from pivotrl.runtime.roles import _build_model
+    from pivotrl.runtime.train_group import TrainRank, form_group
+
+    state = store.fetch(job.policy, job.version)
+    model = _build_model({"hf_dir": job.hf_dir, "dtype": job.dtype}, "cpu", state)
+    del state
+    trainer = make_trainer(job.cfg, model, job.pad_id)
+    trainer.version = job.version
+    group = form_group(kv, job.plan, job.rank, device="cpu", timeout_s=job.timeout_s)
+    rank = TrainRank(trainer, group)
+    if f"{job.policy}.optim" in store.models() and job.version in store.versions(f"{job.policy}.optim"):
+        rank.load_optim(store, job.policy, job.version)
+    torch.set_grad_enabled(True)
+    return rank
+
+
+def run_rank_step(job: RankStep, host: str | None = None) -> dict[str, Any]:
+    """Reduce, step and publish as rank `job.rank`; returns the step's statistics (plain numbers)."""
+    with _store(job) as store:
+        return _step(job, store, host)
+
+
+def _step(job: RankStep, store: Any, host: str | None) -> dict[str, Any]:
+    import contextlib
+
+    from pivotrl.engines.trainer import GradSum
+
+    held = _RANKS.get(job.policy)
+    if held is None or held.group_id != job.plan.group_id or held.rank.trainer.version != job.version:
+        _RANKS.pop(job.policy, None)
+        kv = _kv(job, host)
+        held = _Held(job.plan.group_id, _build(job, store, kv), kv)
+        _RANKS[job.policy] = held
+    rank = held.rank
+    sums = [GradSum(grads=store.fetch(s.model, s.version), **s.stats) for s in job.sums]
+    local = sums[0] if sums else None
+    try:
+        stats = rank.step(local, sums[1:])
+        if not stats.skipped:
+            rank.publish(store, job.policy)
+            rank.refresh(store, job.policy, rank.trainer.version)
+    except Exception:
+        _RANKS.pop(job.policy, None)  # a failed step leaves no half-stepped rank behind
+        raise
+    for s in job.sums:
+        with contextlib.suppress(Exception):
+            store.gc(s.model, keep_last=1)
+    if job.rank == 0 and not stats.skipped:
+        store.gc(job.policy, keep_last=job.keep_last)
+        store.gc(f"{job.policy}.optim", keep_last=job.keep_last)
+    out = stats.as_dict()
+    out["world"] = job.plan.world
+    return out
+
+
+def publish_initial(policy: str, hf_dir: str, gps: dict[str, Any]) -> int:
+    """Version 0 of the policy, read from its directory and published by a device worker (the driver
+    never holds the weights); returns the bytes published."""
+    from pivotrl.engines.checkpoints import load_state_dict
+    from pivotrl.gps import ParameterStore
+
+    opts = dict(gps)
+    with ParameterStore(opts.pop("root"), device_tier_bytes=0, write_behind=False) as store:
+        sd = load_state_dict(hf_dir)
+        store.publish(policy, 0, sd)
+        return sum(t.numel() * t.element_size() for t in sd.values())

@@ -1,0 +1,89 @@
+"""The sharded optimizer owner, driver side: the train devices step, the driver only coordinates.
+
+Same interface as `pivotrl.grpo.PolicyUpdater` (`version`, `slices`, `apply(grads, iteration)`,
+`last_stats`), so the pipeline does not know which owner it has (`train.optimizer_owner`). `apply` asks
+the scheduler's `pivotrl_train_plan` for the group (core decides ranks), sends each member its rank's job
+(`pivotrl.runtime.train_worker.run_rank_step`: its own flushed sum; rank 0 also the sums of devices that
+left the train role), and waits for their statistics — plain numbers. No weight, gradient or optimizer
+tensor of the policy is ever allocated here.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from pivotrl.config import PipelineConfig
+from pivotrl.grpo import minibatch_slices
+from pivotrl.runtime.train_plugin import plan_from_wire
+from pivotrl.runtime.train_worker import RankStep, SumRef, run_rank_step
+
+
+class TrainStepFailed(RuntimeError):
+    """The train group's step did not complete; nothing of it was committed."""
+
+
+class ShardedUpdater:
+    def __init__(self, cfg: PipelineConfig, client: Any, gps_options: dict[str, Any], hf_dir: str,
+                 pad_id: int, version: int = 0, timeout_s: float = 120.0) -> None:
+        self.cfg, self.client, self.gps_options = cfg, client, dict(gps_options)
+        self.name = cfg.models.policy.name
+        self.hf_dir, self.pad_id = str(hf_dir), int(pad_id)
+        self._version = int(version)
+        self.timeout_s = timeout_s
+        self.last_stats: dict[str, Any] = {}
+        self.first_step_at: float | None = None
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def slices(self, n: int) -> list[range]:
+        return minibatch_slices(n, self.cfg.train.minibatches)
+
+    def plan(self, devices: Sequence[str]) -> Any:
+        wire = self.client.sync(self.client.scheduler.pivotrl_train_plan, policy=self.name,
+                                step=self._version, devices=sorted(devices))
+        return plan_from_wire(wire)
+
+    def apply(self, grads: Sequence[Any], iteration: int) -> int:
+        """One sharded step over the flushed sums `grads` (`GradResult`s); returns the version after it."""
+        if self.first_step_at is None:
+            self.first_step_at = time.monotonic()
+        if not grads:
+            self.last_stats = {"skipped": 1.0}
+            return self._version
+        plan = self.plan(sorted({g.worker for g in grads}))
+        share: dict[int, list[SumRef]] = {r: [] for r in range(plan.world)}
+        # A member's own sum first (the one `run_rank_step` treats as local); a departed device's sum is
+        # folded in by rank 0.
+        for g in sorted(grads, key=lambda g: g.worker not in plan.members):
+            r = plan.rank_of(g.worker) if g.worker in plan.members else 0
+            share[r].append(SumRef(g.model, int(g.version), g.stats.as_kwargs()))
+        tag = uuid.uuid4().hex[:8]
+        futs = []
+        for r, member in enumerate(plan.members):
+            job = RankStep(self.name, self._version, plan, r, tuple(share[r]), self.hf_dir,
+                           self.cfg.models.policy.dtype, self.pad_id, self.cfg,
+                           keep_last=self.cfg.gps.keep_last, timeout_s=min(60.0, self.timeout_s),
+                           gps=self.gps_options)
+            futs.append(self.client.submit(run_rank_step, job, key=f"pivotrl-train-{self._version}-{r}-{tag}",
+                                           workers=[member], allow_other_workers=False, pure=False))
+        try:
+            from distributed import wait
+
+            wait(futs, timeout=self.timeout_s)
+            results = self.client.gather(futs)
+        except Exception as exc:
+            for f in futs:
+                f.cancel()
+            line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise TrainStepFailed(f"train step at version {self._version} failed on a group of "
+                                  f"{plan.world}: {type(exc).__name__}: {line}; nothing committed") from None
+        stats = results[0]
+        self.last_stats = dict(stats)
+        self.last_stats["replica_sums"] = len(grads)
+        self._version = int(stats["version"])
+        return self._version
