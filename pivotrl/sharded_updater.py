@@ -18,7 +18,7 @@ from typing import Any
 from pivotrl.config import PipelineConfig
 from pivotrl.grpo import minibatch_slices
 from pivotrl.runtime.train_plugin import plan_from_wire
-from pivotrl.runtime.train_worker import RankStep, SumRef, run_rank_step
+from pivotrl.runtime.train_worker import RankStep, SumRef, run_rank_step, settle_rank
 
 
 class TrainStepFailed(RuntimeError):
@@ -35,6 +35,7 @@ class ShardedUpdater:
         self.timeout_s = timeout_s
         self.last_stats: dict[str, Any] = {}
         self.first_step_at: float | None = None
+        self.members: tuple[str, ...] = ()
 
     @property
     def version(self) -> int:
@@ -82,8 +83,23 @@ class ShardedUpdater:
             line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             raise TrainStepFailed(f"train step at version {self._version} failed on a group of "
                                   f"{plan.world}: {type(exc).__name__}: {line}; nothing committed") from None
+        self.members = plan.members
         stats = results[0]
         self.last_stats = dict(stats)
         self.last_stats["replica_sums"] = len(grads)
         self._version = int(stats["version"])
         return self._version
+
+    def settle(self) -> None:
+        """Wait until the last step's optimizer state is committed in the store (the ranks write it behind
+        the barrier); a checkpoint naming the version calls this first."""
+        futs = [self.client.submit(settle_rank, self.name, workers=[m], allow_other_workers=False, pure=False)
+                for m in self.members]
+        try:
+            from distributed import wait
+
+            wait(futs, timeout=self.timeout_s)
+            self.client.gather(futs)
+        except Exception as exc:
+            raise TrainStepFailed(f"optimizer state of version {self._version} not committed: "
+                                  f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}") from None

@@ -52,6 +52,16 @@ MODEL_SIZES: dict[str, dict[str, Any]] = {
         num_key_value_heads=2,
         max_position_embeddings=2048,
     ),
+    # ~64 M parameters: the larger policy of `benchmarks.train_step` (the train barrier at a size where the
+    # optimizer step and the publish, not the round trips, dominate).
+    "medium": dict(
+        hidden_size=768,
+        intermediate_size=2048,
+        num_hidden_layers=10,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        max_position_embeddings=2048,
+    ),
 }
 ARCHS = ("qwen2", "llama")
 

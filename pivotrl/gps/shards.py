@@ -13,6 +13,8 @@ of an uncommitted prefix are what `ParameterStore.sweep` already removes.
 from __future__ import annotations
 
 import json
+import threading
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -83,6 +85,22 @@ def write_shard(store: Any, target: ShardTarget, shard: int, tensors: Mapping[st
         "arrays": [a.__dict__ for a in arrays],
     }
     backend.write_small(layout._jp(dpath, f"part-{shard}.json"), json.dumps(record).encode())
+
+
+def wait_parts(store: Any, target: ShardTarget, timeout_s: float) -> None:
+    """Wait until every shard's part record exists (writers in other processes), at most `timeout_s`;
+    `IncompleteShards` names the missing ones."""
+    deadline = time.monotonic() + timeout_s
+    dpath = _dpath(store, target)
+    pending = set(range(target.nshards))
+    while True:
+        pending = {i for i in pending if not store.persistent.exists(layout._jp(dpath, f"part-{i}.json"))}
+        if not pending:
+            return
+        if time.monotonic() > deadline:
+            raise IncompleteShards(f"{target.model!r} version {target.version}: shard(s) {sorted(pending)} "
+                                   f"not written within {timeout_s:g}s; nothing committed")
+        threading.Event().wait(0.01)  # other processes' writes: nothing to wait on but the files
 
 
 def commit_shards(store: Any, target: ShardTarget, order: Sequence[str] | None = None) -> Manifest:

@@ -18,6 +18,7 @@ written, so a lost rank leaves nothing half-committed.
 from __future__ import annotations
 
 import datetime
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -129,6 +130,8 @@ class TrainRank:
         self.buckets = buckets(sizes, bucket_elems)
         self.owned = {self.names[i]: trainer.params[self.names[i]] for i in self.runs[group.rank]}
         self._state_names = self._state_dict_owners()
+        self._behind: threading.Thread | None = None
+        self._behind_error: BaseException | None = None
 
     def _state_dict_owners(self) -> dict[str, int]:
         """state-dict name → rank writing it: a parameter's owner (tied aliases included); buffers: rank 0."""
@@ -168,6 +171,7 @@ class TrainRank:
 
     def step(self, local: GradSum | None, folded: Sequence[GradSum] = ()) -> StepStats:
         """All-reduce, then AdamW on the owned tensors only; the version advances on every rank."""
+        self.settle()
         total = self.reduce(local, folded)
         stats, grads = prepare_step(total, self.trainer.grad_clip)
         if grads is None:
@@ -194,19 +198,26 @@ class TrainRank:
             out["meta/skipped_steps"] = torch.tensor(self.trainer.skipped_steps, dtype=torch.int64)
         return out
 
-    def publish(self, store: Any, model: str, version: int | None = None) -> int:
+    def publish(self, store: Any, model: str, version: int | None = None, optim_behind: bool = False) -> int:
         """Write this rank's shards of the policy `version` (default: the trainer's) and of its optimizer
-        state (`<model>.optim`); rank 0 commits both once every rank reported its shards written."""
+        state (`<model>.optim`); rank 0 commits each once every rank's shard of it is written.
+
+        `optim_behind`: the optimizer state is written in the background after the policy is committed
+        (off the barrier's critical path: rollouts can start on the new version meanwhile); `settle()`
+        waits for it, and the next `step` settles first, so the moments are never written while AdamW
+        changes them."""
         v = self.trainer.version if version is None else int(version)
         g = self.group
+        self.settle()
         targets = [shards.new_target(f"{model}.optim", v, g.world), shards.new_target(model, v, g.world)]
         ids = [g.broadcast_str(t.data_id) for t in targets]
-        targets = [shards.ShardTarget(t.model, t.version, i, t.nshards) for t, i in zip(targets, ids,
-                                                                                          strict=True)]
+        optim, policy = (shards.ShardTarget(t.model, t.version, i, t.nshards)
+                         for t, i in zip(targets, ids, strict=True))
         ok = torch.ones(1, dtype=torch.float64)
         try:
-            shards.write_shard(store, targets[0], g.rank, self.optim_shard())
-            shards.write_shard(store, targets[1], g.rank, self.weight_shard())
+            if not optim_behind:
+                shards.write_shard(store, optim, g.rank, self.optim_shard())
+            shards.write_shard(store, policy, g.rank, self.weight_shard())
         except Exception:
             ok.zero_()
             g.allreduce_(ok, "shard-written barrier")
@@ -217,11 +228,35 @@ class TrainRank:
                                  f"{model!r} version {v}; nothing committed")
         done = torch.zeros(1, dtype=torch.float64)
         if g.rank == 0:
-            shards.commit_shards(store, targets[0])
-            shards.commit_shards(store, targets[1], order=list(self._state_names))
+            if not optim_behind:
+                shards.commit_shards(store, optim)
+            shards.commit_shards(store, policy, order=list(self._state_names))
             done.fill_(1.0)
         g.broadcast_(done, 0, "commit notice")
+        if optim_behind:
+            self._behind = threading.Thread(target=self._write_optim, args=(store, optim), daemon=True,
+                                            name="pivotrl-optim-behind")
+            self._behind.start()
         return v
+
+    def _write_optim(self, store: Any, target: shards.ShardTarget) -> None:
+        try:
+            shards.write_shard(store, target, self.group.rank, self.optim_shard())
+            if self.group.rank == 0:
+                shards.wait_parts(store, target, self.group.timeout_s)
+                shards.commit_shards(store, target)
+        except BaseException as exc:
+            self._behind_error = exc
+
+    def settle(self) -> None:
+        """Wait for the background write of the optimizer state; raise its failure (one line)."""
+        t, self._behind = self._behind, None
+        if t is not None:
+            t.join()
+        err, self._behind_error = self._behind_error, None
+        if err is not None:
+            raise TrainGroupLost(f"train group {self.group.plan.group_id}: the optimizer state was not "
+                                 f"committed: {type(err).__name__}: {str(err).splitlines()[0][:200]}")
 
     def load_optim(self, store: Any, model: str, version: int) -> None:
         """This rank's optimizer state from `<model>.optim` at `version`: only its own tensors' slices are

@@ -9,6 +9,7 @@ the tensors the rank owns, whatever the world size that wrote them.
 from __future__ import annotations
 
 import socket
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +42,7 @@ class RankStep:
     cfg: Any  # the run's PipelineConfig (its `train` section sets the optimizer)
     keep_last: int = 3
     timeout_s: float = 60.0
+    optim_behind: bool = True
     gps: dict[str, Any] = field(default_factory=dict)
 
 
@@ -51,13 +53,18 @@ class _Held:
     kv: Any
 
 
+_STORES: dict[str, Any] = {}  # store root → this process's client (kept: background writes use it)
+
+
 def _store(job: RankStep) -> Any:
     from pivotrl.gps import ParameterStore
 
     opts = dict(job.gps)
     root = opts.pop("root")
-    return ParameterStore(root, device_tier_bytes=0, write_behind=False,
-                          **{k: v for k, v in opts.items() if k == "host_tier"})
+    if root not in _STORES:
+        _STORES[root] = ParameterStore(root, device_tier_bytes=0, write_behind=False,
+                                       **{k: v for k, v in opts.items() if k == "host_tier"})
+    return _STORES[root]
 
 
 def _kv(job: RankStep, address: Any) -> Any:
@@ -117,8 +124,7 @@ def _build(job: RankStep, store: Any, kv: Any) -> Any:
 
 def run_rank_step(job: RankStep, host: str | None = None) -> dict[str, Any]:
     """Reduce, step and publish as rank `job.rank`; returns the step's statistics (plain numbers)."""
-    with _store(job) as store:
-        return _step(job, store, host)
+    return _step(job, _store(job), host)
 
 
 def _step(job: RankStep, store: Any, host: str | None) -> dict[str, Any]:
@@ -133,13 +139,15 @@ def _step(job: RankStep, store: Any, host: str | None) -> dict[str, Any]:
         held = _Held(job.plan.group_id, _build(job, store, kv), kv)
         _RANKS[job.policy] = held
     rank = held.rank
+    t0 = time.perf_counter()
     sums = [GradSum(grads=store.fetch(s.model, s.version), **s.stats) for s in job.sums]
     local = sums[0] if sums else None
+    t1 = time.perf_counter()
     try:
         stats = rank.step(local, sums[1:])
-        if not stats.skipped:
-            rank.publish(store, job.policy)
-            rank.refresh(store, job.policy, rank.trainer.version)
+        t2 = time.perf_counter()
+        if not stats.skipped:  # the rank's other tensors are never read here: no refresh needed
+            rank.publish(store, job.policy, optim_behind=job.optim_behind)
     except Exception:
         _RANKS.pop(job.policy, None)  # a failed step leaves no half-stepped rank behind
         raise
@@ -150,8 +158,18 @@ def _step(job: RankStep, store: Any, host: str | None) -> dict[str, Any]:
         store.gc(job.policy, keep_last=job.keep_last)
         store.gc(f"{job.policy}.optim", keep_last=job.keep_last)
     out = stats.as_dict()
-    out["world"] = job.plan.world
+    out.update(world=job.plan.world, fetch_s=t1 - t0, step_s=t2 - t1, publish_s=time.perf_counter() - t2)
     return out
+
+
+def settle_rank(policy: str) -> bool:
+    """Wait for this process's rank to finish writing its optimizer state (before a checkpoint names the
+    version); False when this process holds no rank of `policy`."""
+    held = _RANKS.get(policy)
+    if held is None:
+        return False
+    held.rank.settle()
+    return True
 
 
 def publish_initial(policy: str, hf_dir: str, gps: dict[str, Any]) -> int:

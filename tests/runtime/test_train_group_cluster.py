@@ -86,6 +86,7 @@ def test_sharded_steps_equal_the_driver_owned_ones(cluster: Any, tmp_path: Path)
         assert up.last_stats["world"] == min(2, len(flushers))
         got = store.fetch(name, v)
         assert all(torch.equal(got[k], t) for k, t in ref.model.state_dict().items()), step
+    up.settle()  # the optimizer state is written behind the barrier
     opt = store.fetch(f"{name}.optim", 3)
     for n, p in ref.params.items():
         assert torch.equal(opt[f"exp_avg/{n}"], ref.optimizer.state[p]["exp_avg"])
