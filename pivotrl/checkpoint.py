@@ -17,6 +17,7 @@ capacities may change.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -216,7 +217,11 @@ class Resumed:
         import numpy as np
         import torch
 
-        owner.trainer.load_state_dict(self.trainer_state["trainer"])
+        state = self.trainer_state["trainer"]
+        if state.get("sharded"):  # the optimizer state is in the store: the ranks read it at the version
+            owner.restore_version(int(state["version"]))
+        else:
+            owner.trainer.load_state_dict(state)
         rng = self.trainer_state.get("rng")
         if rng:
             torch.set_rng_state(rng["torch"])
@@ -226,7 +231,12 @@ class Resumed:
         if owner.version != v:
             raise UserError(f"{self.path}: trainer state is at version {owner.version}, checkpoint says {v}")
         gps.discard_newer(name, v)
-        if v not in gps.versions(name):
+        if state.get("sharded"):
+            gps.discard_newer(f"{name}.optim", v)
+            if v not in gps.versions(name) or v not in gps.versions(f"{name}.optim"):
+                raise UserError(f"{self.path}: version {v} of {name!r} or its optimizer state is not in the "
+                                "store; a sharded run cannot rebuild it")
+        elif v not in gps.versions(name):
             owner.publish()
 
 
@@ -251,9 +261,17 @@ def commit(run_dir: Path, ckpt: RunCheckpoint, owner: Any, gps: Any, previous_ve
     import torch
 
     gps.flush()  # the version the checkpoint names is durable before the checkpoint is
-    gps.pin(owner.name, ckpt.policy_version)
+    sharded = hasattr(owner, "settle")
+    if sharded:  # the ranks write the optimizer state behind the barrier: committed before it is named
+        owner.settle()
+    names = [owner.name, f"{owner.name}.optim"] if sharded and ckpt.policy_version > 0 else [owner.name]
+    for name in names:
+        gps.pin(name, ckpt.policy_version)
     rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
-    path = save(run_dir, ckpt, {"trainer": owner.trainer.state_dict(), "rng": rng})
+    state = owner.checkpoint_state() if sharded else owner.trainer.state_dict()
+    path = save(run_dir, ckpt, {"trainer": state, "rng": rng})
     if previous_version not in (None, 0, ckpt.policy_version):
-        gps.unpin(owner.name, int(previous_version))
+        for name in names:
+            with contextlib.suppress(Exception):
+                gps.unpin(name, int(previous_version))
     return path

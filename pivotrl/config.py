@@ -191,6 +191,9 @@ class TrainConfig(Section):
     weight_decay: float = Field(0.0, ge=0.0)
     warmup_steps: int = Field(0, ge=0, description="linear learning-rate warm-up, in optimizer steps")
     minibatches: int = Field(1, ge=1, description="optimizer steps per iteration, on disjoint sample slices")
+    optimizer_owner: Literal["driver", "sharded"] = Field(
+        "driver", description="driver: the driver process steps AdamW; sharded: the train devices form a "
+        "torch.distributed group and step a ZeRO-1-sharded AdamW (the driver holds no weights)")
     sft: SFTConfig = SFTConfig(steps=200, batch_size=64)
 
 

@@ -235,6 +235,27 @@ def new_run_id(cfg: PipelineConfig, mode: str) -> str:
     return f"{time.strftime('%Y%m%d-%H%M%S')}-{cfg.run.name}-{mode}-{uuid.uuid4().hex[:4]}"
 
 
+def start_sharded_owner(cfg: PipelineConfig, client: Any, gps: Any, gps_opts: dict[str, Any],
+                        policy_dir: Path, resumed: Any) -> Any:
+    """`train.optimizer_owner: sharded`: the train group's scheduler plugin, version 0 published by a
+    device worker (or the checkpoint's version restored), and the driver-side coordinator."""
+    from pivotrl.engines.checkpoints import PAD_ID
+    from pivotrl.runtime.train_plugin import TrainGroupPlugin
+    from pivotrl.runtime.train_worker import publish_initial
+    from pivotrl.sharded_updater import ShardedUpdater
+
+    client.register_plugin(TrainGroupPlugin())
+    owner = ShardedUpdater(cfg, client, gps_opts, str(policy_dir), PAD_ID)
+    if resumed is None:
+        worker = sorted(client.scheduler_info()["workers"])[0]
+        client.submit(publish_initial, owner.name, str(policy_dir), gps_opts, workers=[worker],
+                      pure=False).result()
+        gps.pin(owner.name, 0)
+    else:
+        resumed.restore(owner, gps)
+    return owner
+
+
 def run_pipeline(
     cfg: PipelineConfig,
     *,
@@ -294,15 +315,17 @@ def run_pipeline(
             ParameterStore(gps_root, host_tier=host, device_tier_bytes=0) as gps,
         ):
             log(f"phase: parameter store ({'version 0' if resumed is None else 'restore'})")
-            owner = PolicyUpdater.load(cfg, paths["policy"], gps)
+            sharded = cfg.train.optimizer_owner == "sharded"
+            owner: Any = None if sharded else PolicyUpdater.load(cfg, paths["policy"], gps)
             if resumed is None:
-                owner.publish()  # version 0 of the policy
-                gps.pin(cfg.models.policy.name, 0)  # the KL reference and the baseline: never GC'd
+                if owner is not None:
+                    owner.publish()  # version 0 of the policy (sharded: a device worker publishes it)
+                    gps.pin(cfg.models.policy.name, 0)  # the KL reference and the baseline: never GC'd
                 from pivotrl.engines.checkpoints import load_state_dict as load_hf
 
                 gps.publish(cfg.models.genrm.name, 0, load_hf(paths["genrm"]))
                 gps.flush()
-            else:
+            elif owner is not None:
                 resumed.restore(owner, gps)
                 ctx.policy_version = owner.version
             gps_opts = {
@@ -319,6 +342,9 @@ def run_pipeline(
                 dashboard_address=cl.dashboard_address,
             ) as handle:
                 n_dev = len(handle.device_workers())
+                if sharded:
+                    owner = start_sharded_owner(cfg, handle.client, gps, gps_opts, paths["policy"], resumed)
+                    ctx.policy_version = owner.version
                 result.devices = n_dev
                 if handle.dashboard_link:
                     log(f"dashboard: {handle.dashboard_link}  (pivotrl page: /pivotrl)")
@@ -413,9 +439,16 @@ def run_pipeline(
             if save_final:
                 from pivotrl.engines.checkpoints import save_hf
 
-                result.final_policy = save_hf(
-                    owner.model, owner.model.config, tokenizer, run_dir / "policy-final"
-                )
+                if sharded:  # the driver holds no weights: the store's last version is written out
+                    sd = gps.fetch(cfg.models.policy.name, owner.version)
+                    from pivotrl.engines.checkpoints import load_config
+
+                    result.final_policy = save_hf(sd, load_config(paths["policy"]), tokenizer,
+                                                  run_dir / "policy-final")
+                else:
+                    result.final_policy = save_hf(
+                        owner.model, owner.model.config, tokenizer, run_dir / "policy-final"
+                    )
         result.wall_s = time.monotonic() - t_start
         write_metrics(result, run_dir / "metrics.zarr")
         return result

@@ -90,6 +90,14 @@ class ShardedUpdater:
         self._version = int(stats["version"])
         return self._version
 
+    def checkpoint_state(self) -> dict[str, Any]:
+        """What a run checkpoint keeps of this owner: the version only (weights and AdamW moments are
+        versioned in the store, `<policy>` and `<policy>.optim`)."""
+        return {"sharded": True, "version": self._version}
+
+    def restore_version(self, version: int) -> None:
+        self._version = int(version)
+
     def settle(self) -> None:
         """Wait until the last step's optimizer state is committed in the store (the ranks write it behind
         the barrier); a checkpoint naming the version calls this first."""

@@ -103,6 +103,12 @@ class IterationCost(Section):
     allreduce_gb_s: float = Field(100.0, gt=0)
     publish_s: float = Field(0.0, ge=0, description="new policy version -> GPS, commit")
     weight_sync_s: float = Field(0.0, ge=0, description="a rollout replica picks up the new version")
+    optimizer_owner: Literal["driver", "sharded"] = Field(
+        "sharded", description="sharded: the train group's ZeRO-1 step (optimizer step and publish divided "
+        "over the ranks, bucketed all-reduce); driver: one process steps and publishes the whole model")
+    bucket_gb: float = Field(0.1, gt=0, description="all-reduce bucket size (sharded)")
+    collective_latency_s: float = Field(0.0, ge=0, description="fixed cost of one collective (sharded)")
+    commit_s: float = Field(0.0, ge=0, description="rank 0 committing the sharded version's manifest")
 
 
 class CostProfile(Section):

@@ -1,0 +1,36 @@
+"""The simulated train barrier follows the sharded train group: bucketed ring all-reduce over the link,
+optimizer step and publish divided over the ranks, one manifest commit; the driver-owned model is kept."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from pivotrl.sim.config import IterationCost
+from pivotrl.sim.costs import barrier_time
+
+
+def _cfg(owner: str) -> Any:
+    """Only `cost.iteration` is read by `barrier_time`."""
+    it = IterationCost(optimizer_owner=owner, optimizer_step_s=2.0, publish_s=3.0, grad_allreduce_gb=14.0,
+                       allreduce_gb_s=50.0, bucket_gb=0.5, collective_latency_s=0.01, commit_s=0.05)
+    return SimpleNamespace(cost=SimpleNamespace(iteration=it))
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+def test_sharded_barrier_is_the_formula(n: int) -> None:
+    cfg = _cfg("sharded")
+    ring = 2 * (n - 1) / n * 14.0 / 50.0
+    buckets = math.ceil(14.0 / 0.5) if n > 1 else 0
+    assert barrier_time(cfg, n) == pytest.approx(ring + buckets * 0.01 + 5.0 / n + 0.05)
+
+
+def test_sharded_beats_driver_beyond_one_rank_and_matches_it_at_one() -> None:
+    sharded, driver = _cfg("sharded"), _cfg("driver")
+    assert barrier_time(sharded, 1) == pytest.approx(barrier_time(driver, 1) + 0.05)  # + the commit
+    for n in (2, 4, 8):
+        assert barrier_time(sharded, n) < barrier_time(driver, n)
+    assert barrier_time(driver, 4) == pytest.approx(2.0 + 2 * 3 / 4 * 14.0 / 50.0 + 3.0)
