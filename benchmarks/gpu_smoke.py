@@ -17,7 +17,9 @@ while the run's time budget still has room for it. Parts, in order of value:
 4. ``gps``: the store's device tier on CUDA — publish, fetch to the GPU (a hit is served from the tier),
    a version larger than the tier is not cached there, and the peak GPU memory of that fetch is one copy.
 5. ``train``: one GRPO optimizer step on CUDA (``train_step_ok``: finite loss, the weights changed), and a
-   one-rank NCCL all-reduce (the runtime has no multi-device train group yet, so that is all NCCL can show).
+   one-rank NCCL all-reduce.
+5b. ``train_group``: one step of the sharded train group's own code path (`pivotrl.runtime.train_group`,
+   NCCL chosen by the device) with one rank, the version written as shards and read back equal.
 6. ``pipeline``: a 3-iteration shiftable pipeline of tiny bootstrapped models on a one-worker cluster — a
    `LocalCUDACluster` when dask_cuda is installed, otherwise a non-daemonic `LocalCluster` reached through
    `--scheduler` (remote mode, which must discover CUDA on its worker) — with role shifts
@@ -43,7 +45,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks.gpu_smoke_parts import abort_resume, engine_vs_hf, gps_device_tier, pipeline, train_step
+from benchmarks.gpu_smoke_parts import (
+    abort_resume,
+    engine_vs_hf,
+    gps_device_tier,
+    pipeline,
+    train_group_step,
+    train_step,
+)
 
 BUDGET_S = 450.0  # all parts together; the issue allows 8 minutes
 VLLM_REASON = "vLLM is not installed (its wheels are too large to carry to the lent machine)"
@@ -81,6 +90,7 @@ PARTS: list[tuple[str, Callable[..., dict], float]] = [  # name, part, its own t
     ("abort_resume", abort_resume, 60.0),
     ("gps", gps_device_tier, 45.0),
     ("train", train_step, 45.0),
+    ("train_group", train_group_step, 60.0),
     ("pipeline", pipeline, 240.0),
 ]
 

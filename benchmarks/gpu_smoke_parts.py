@@ -212,6 +212,40 @@ def _nccl_one_rank(work: Path) -> bool | str:
             dist.destroy_process_group()
 
 
+def train_group_step(device: str, work: Path) -> dict:
+    """One step of the sharded train group's code path on `device` with one rank: NCCL on CUDA, gloo on
+    CPU (`pivotrl.runtime.train_group.backend_for`), the version written as shards and read back."""
+    import torch
+    import torch.distributed as dist
+
+    from pivotrl.core.train_group import decide_group
+    from pivotrl.engines.checkpoints import PAD_ID, from_pretrained
+    from pivotrl.engines.trainer import GRPOTrainer, TrainSample
+    from pivotrl.gps import ParameterStore
+    from pivotrl.runtime.train_group import TrainRank, backend_for, form_group
+
+    out: dict = {"backend": backend_for(device)}
+    try:
+        model = from_pretrained(_model_dir(work, "debug"), device=device, dtype=torch.float32)
+        trainer = GRPOTrainer(model, pad_id=PAD_ID, lr=1e-3, micro_batch=4)
+        samples = [TrainSample([1, 10 + i, 11], [20 + i, 21, 22], advantage=(1.0 if i % 2 else -1.0))
+                   for i in range(8)]
+        group = form_group(dist.HashStore(), decide_group(None, ["d0"], 0), 0, device=device, timeout_s=60)
+        rank = TrainRank(trainer, group)
+        t0 = time.perf_counter()
+        stats = rank.step(trainer.accumulate(samples))
+        with ParameterStore(work / "train-group-gps", device_tier_bytes=0, write_behind=False) as store:
+            rank.publish(store, "policy")
+            _sync(device)
+            got = store.fetch("policy", stats.version)
+        same = all(torch.equal(got[n], t.cpu()) for n, t in model.state_dict().items())
+        ok = bool(same and not stats.skipped and stats.version == 1)
+        out.update(ok=ok, seconds=time.perf_counter() - t0, readback_equal=same)
+    except Exception as exc:
+        out.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:500])
+    return out
+
+
 PIPELINE_SETS = [  # tiny models bootstrapped in seconds (the same shape as tests/tiny.py)
     "train.sft.steps=40",
     "reward.sft.steps=2",

@@ -69,6 +69,8 @@ def test_gps_and_train_parts_on_cpu(tmp_path):
     assert g["ok"] and g["hit_served_from_tier"] and g["oversized_not_cached"]
     t = parts.train_step("cpu", tmp_path)
     assert t["train_step_ok"] and t["weights_changed"]
+    tg = parts.train_group_step("cpu", tmp_path)
+    assert tg["ok"] and tg["backend"] == "gloo" and tg["readback_equal"], tg
 
 
 @pytest.mark.slow

@@ -68,16 +68,26 @@ class Group:
         if ok is False:
             raise TrainGroupLost(f"train group {self.plan.group_id}: {what} on rank {self.rank} timed out")
 
+    def _on_device(self, t: torch.Tensor) -> torch.Tensor:
+        """NCCL reduces CUDA tensors only: small host-side tensors (counts, flags) go over and back."""
+        return t.to(self.device) if backend_for(self.device) == "nccl" and t.device.type == "cpu" else t
+
     def allreduce_(self, t: torch.Tensor, what: str = "all-reduce") -> torch.Tensor:
-        if self.world > 1:
-            self._wait(self.pg.allreduce([t]), what)
+        if self.world > 1 or backend_for(self.device) == "nccl":
+            d = self._on_device(t)
+            self._wait(self.pg.allreduce([d]), what)
+            if d is not t:
+                t.copy_(d.cpu())
         return t
 
     def broadcast_(self, t: torch.Tensor, root: int = 0, what: str = "broadcast") -> torch.Tensor:
-        if self.world > 1:
+        if self.world > 1 or backend_for(self.device) == "nccl":
             opts = torch.distributed.BroadcastOptions()
             opts.rootRank, opts.rootTensor = root, 0
-            self._wait(self.pg.broadcast([t], opts), what)
+            d = self._on_device(t)
+            self._wait(self.pg.broadcast([d], opts), what)
+            if d is not t:
+                t.copy_(d.cpu())
         return t
 
     def broadcast_str(self, s: str, root: int = 0) -> str:

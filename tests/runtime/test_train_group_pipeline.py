@@ -25,10 +25,11 @@ def setup(tmp_path_factory):
 def _run(cfg):
     from pivotrl.run import run_pipeline
 
-    return run_pipeline(cfg, mode="colocated", workers=2, stages=stages(), log=lambda *_: None,
+    return run_pipeline(cfg, mode="colocated", workers=2, stages=stages(), log=print,
                         progress=False, evaluate_policy=False)
 
 
+@pytest.mark.timeout(1200)
 def test_sharded_owner_runs_and_matches_the_driver_owner(setup, monkeypatch):
     from pivotrl import checkpoint
     from pivotrl.grpo import PolicyUpdater
