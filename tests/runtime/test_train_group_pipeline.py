@@ -25,7 +25,7 @@ def setup(tmp_path_factory):
 def _run(cfg):
     from pivotrl.run import run_pipeline
 
-    return run_pipeline(cfg, mode="colocated", workers=2, stages=stages(), log=print,
+    return run_pipeline(cfg, mode="colocated", workers=2, stages=stages(), log=lambda *_: None,
                         progress=False, evaluate_policy=False)
 
 
