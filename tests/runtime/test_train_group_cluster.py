@@ -90,3 +90,33 @@ def test_sharded_steps_equal_the_driver_owned_ones(cluster: Any, tmp_path: Path)
     opt = store.fetch(f"{name}.optim", 3)
     for n, p in ref.params.items():
         assert torch.equal(opt[f"exp_avg/{n}"], ref.optimizer.state[p]["exp_avg"])
+
+
+def test_a_restarted_cluster_resumes_the_sharded_optimizer_exactly(cluster: Any, tmp_path: Path) -> None:
+    """Two steps, every worker process killed (`Client.restart`: the ranks and their optimizer shards in
+    memory are gone), then a third step by a fresh group from the store's `<policy>.optim` alone."""
+    cfg = tiny_config(tmp_path, SETS)
+    hf = create_model("debug", tmp_path / "policy")
+    gps = {"root": str(tmp_path / "gps")}
+    store = ParameterStore(gps["root"], device_tier_bytes=0)
+    name = cfg.models.policy.name
+    workers = sorted(cluster.scheduler_info()["workers"])
+    cluster.submit(publish_initial, name, str(hf), gps, workers=workers[:1]).result()
+    ref = make_trainer(cfg, from_pretrained(hf), PAD_ID)
+    up = ShardedUpdater(cfg, cluster, gps, str(hf), PAD_ID, timeout_s=120)
+    for step in range(3):
+        if step == 2:
+            up.settle()
+            state = up.checkpoint_state()
+            cluster.restart()
+            workers = sorted(cluster.scheduler_info()["workers"])
+            up = ShardedUpdater(cfg, cluster, gps, str(hf), PAD_ID, timeout_s=120)
+            up.restore_version(state["version"])
+        sums = [compute_grad_sum(ref.model, random_samples(5, 7 * step + i), pad_id=PAD_ID, micro_batch=3,
+                                 version=ref.version) for i in range(2)]
+        grads = [_flush(store, w, f"grad-w{i}", gs) for i, (w, gs) in enumerate(zip(workers, sums,
+                                                                                  strict=True))]
+        ref.apply(reduce(sums))
+        assert up.apply(grads, step) == ref.version
+    got = store.fetch(name, 3)
+    assert all(torch.equal(got[k], t) for k, t in ref.model.state_dict().items())
