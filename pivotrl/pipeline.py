@@ -185,6 +185,7 @@ class GenRMRewardStage(Stage):
             ids = ctx.encode(self.template.prompt(sample.problem.prompt, sample.response_text))
             eos = ctx.tokenizer.eos_token_id
         s = ctx.cfg.reward.sampling
+        sample.data["judge_prompt_tokens"] = len(ids)
         return {
             "payload": {
                 "prompt_ids": ids,

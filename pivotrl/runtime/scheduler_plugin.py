@@ -85,6 +85,7 @@ class PivotSchedulerPlugin(SchedulerPlugin):
             "pivotrl_metrics": self.handle_metrics,
             "pivotrl_items": self.handle_items,
             "pivotrl_report": self.handle_report,
+            "pivotrl_learned": self.handle_learned,
         })
         from pivotrl.runtime import prometheus
 
@@ -198,6 +199,12 @@ class PivotSchedulerPlugin(SchedulerPlugin):
     def handle_report(self, report: dict[str, Any]) -> None:
         if self._exporter is not None:
             self._exporter.report = IterationReport.from_wire(report)
+
+    def handle_learned(self) -> dict[str, Any]:
+        """What core's controller has learned, for the driver's run checkpoint."""
+        from pivotrl.core.learned import learned_state
+
+        return learned_state(self.orch.ctl).to_json()
 
     def handle_metrics(self) -> dict[str, Any]:
         return {"timeline": list(self.orch.timeline), "events": list(self.orch.events)}
