@@ -48,7 +48,10 @@ def measured(res: Any) -> dict[str, Any]:
     rows = res.iterations[WARMUP:]
     secs = [float(r["seconds"]) for r in rows]
     tokens = [r["tokens_rollout"] + r["tokens_reward"] + r["tokens_train"] for r in rows]
-    return {"iteration_s": statistics.median(secs), "iteration_s_each": secs,
+    dev = {k: statistics.mean(sum(d.get(k, 0.0) for d in r["device_time"].values()) for r in rows)
+           for k in ("rollout", "reward", "train", "flush", "shifting", "sync", "idle")}
+    return {"iteration_s": statistics.median(secs), "iteration_s_each": secs, "device_s_per_iteration": dev,
+            "apply_s": statistics.median(float(r.get("train_apply_s", 0.0)) for r in rows),
             "tokens_per_iteration": statistics.mean(tokens),
             "tokens_per_s_per_device": statistics.mean(tokens) / statistics.median(secs) / res.devices}
 
@@ -72,10 +75,11 @@ def profile(cfg: Any, runs: dict[str, Any]) -> dict[str, Any]:
         for e in res.shifts:
             shifts[e["role"]].append(shift_phase(e, "total"))
     all_shifts = [x for v in shifts.values() for x in v]
-    barrier = [float(r["seconds"]) - max(v for k, v in r.items() if k.startswith("stage_") and
-                                         k.endswith("_done_s")) for res in runs.values()
-               if res.policy.get("name") == "colocated" for r in res.iterations[WARMUP:]]
-    sync = [d.get("sync", 0.0) for r in rows for d in r["device_time"].values()]
+    barrier = [float(r["train_apply_s"]) / max(1.0, float(r.get("train_steps", 1.0))) for r in rows
+               if "train_apply_s" in r]
+    # a rollout device picking up a new version fetches and loads it, as the load phase of a shift does
+    sync = [shift_phase(e, "fetch") + shift_phase(e, "load") for res in runs.values() for e in res.shifts
+            if e["role"] == "rollout"]
     gen = {"rollout": cfg.rollout, "reward": cfg.reward}
 
     def gen_cost(role: str) -> dict[str, Any]:
@@ -111,7 +115,7 @@ def profile(cfg: Any, runs: dict[str, Any]) -> dict[str, Any]:
                       "tokens_per_s_per_device": train_tokens / train_busy, "weights_gb": 0.0,
                       "init_s": _median(shifts["train"], all_shifts)},
             "gps": {"fetch_tier": "host", "tiers": {"host": {"bandwidth_gb_s": 10.0}}},
-            "iteration": {"optimizer_step_s": max(0.0, statistics.median(barrier)) if barrier else 0.0,
+            "iteration": {"optimizer_step_s": statistics.median(barrier) if barrier else 0.0,
                           "weight_sync_s": statistics.median(sync) if sync else 0.0},
         },
         "scheduler": {"tick_s": sc.tick_s, "horizon_s": sc.horizon_s, "hysteresis": sc.hysteresis,

@@ -370,7 +370,8 @@ class Pipeline:
 
     @staticmethod
     def result(run: IterationRun) -> IterationResult:
-        train_stats = {**(run.steps[-1] if run.steps else {}), "steps": float(len(run.steps))}
+        train_stats = {**(run.steps[-1] if run.steps else {}), "steps": float(len(run.steps)),
+                       "apply_s": run.apply_s}
         return IterationResult(
             run.iteration,
             run.samples,

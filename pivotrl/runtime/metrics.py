@@ -184,7 +184,7 @@ class IterationMeter:
         for ph in PHASES:
             vals = [shift_phase(e, ph) for e in self.shifts]
             row[f"shift_{ph}_s"] = sum(vals) / len(vals) if vals else math.nan
-        for key in ("loss", "grad_norm", "skipped", "replica_sums", "clip_frac", "steps"):
+        for key in ("loss", "grad_norm", "skipped", "replica_sums", "clip_frac", "steps", "apply_s"):
             if key in train_stats:
                 row[f"train_{key}"] = float(train_stats[key])
         for stage, t in res.stage_seconds.items():
