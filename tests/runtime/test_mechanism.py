@@ -189,6 +189,7 @@ def test_dashboard_page_renders_roles_queues_and_shifts(cluster):
     import urllib.request
 
     from pivotrl.runtime.dashboard import register_dashboard, render
+    from pivotrl.runtime.records import PageData
 
     sess = RuntimeSession.install(
         cluster.client, controller=manual(["rollout", "reward"]), role_specs=specs(), sample_s=0.05
@@ -199,7 +200,7 @@ def test_dashboard_page_renders_roles_queues_and_shifts(cluster):
     sess.shift(next(iter(st["workers"])), "train")
     time.sleep(0.3)
     m = sess.metrics()
-    html = render(m["timeline"], m["events"])
+    html = render(PageData(timeline=m["timeline"], events=m["events"]))
     assert "role of each device" in html and "waiting sequences per role" in html and "fetch" in html
     assert register_dashboard(cluster.client) == "ok"
     link = cluster.dashboard_link
