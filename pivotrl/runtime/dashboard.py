@@ -69,11 +69,14 @@ def _role_figure(data: PageData, devices: list[str]) -> Any:
             col["role"].append(ROLE_LABELS.get(role, str(role)))
     items, bars = [], []
     for role, col in rects.items():
-        r = fig.rect(x="x", y="y", width="w", height=0.8, color=ROLE_COLORS[role],
-                     source=ColumnDataSource(col))
-        bars.append(r)
-        items.append(LegendItem(label=ROLE_LABELS[role], renderers=[r]))
-    fig.add_layout(Legend(items=items, orientation="horizontal", location="top_left"), "above")
+        edge = "#aaaaaa" if role is None else ROLE_COLORS[role]  # idle's light grey needs an edge on white
+        bars.append(fig.rect(x="x", y="y", width="w", height=0.8, fill_color=ROLE_COLORS[role],
+                             line_color=edge, source=ColumnDataSource(col)))
+        # the legend's swatch: a one-point glyph drawn nowhere (NaN), since Bokeh draws no swatch for a
+        # glyph without data and a role may not have occurred yet
+        swatch = fig.scatter(x=[math.nan], y=[math.nan], marker="square", size=12,
+                             fill_color=ROLE_COLORS[role], line_color=edge)
+        items.append(LegendItem(label=ROLE_LABELS[role], renderers=[swatch]))
     fig.add_tools(HoverTool(renderers=bars, tooltips=[("device", "@y"), ("role", "@role")]))
     for mark in data.iterations:
         fig.add_layout(Span(location=mark.t, dimension="height", line_color="black", line_dash="dashed"))
@@ -94,6 +97,9 @@ def _role_figure(data: PageData, devices: list[str]) -> Any:
                       color="black")
     fig.add_tools(HoverTool(renderers=[tri], tooltips=[("decision", "@decision"), ("move", "@move"),
                                                        ("G", "@G"), ("φ", "@phi"), ("B", "@B")]))
+    marker = fig.scatter(x=[math.nan], y=[math.nan], marker="inverted_triangle", size=11, color="black")
+    items.append(LegendItem(label="shift decision", renderers=[marker]))
+    fig.add_layout(Legend(items=items, orientation="horizontal", location="top_left"), "above")
     return fig
 
 
@@ -132,7 +138,7 @@ def _learning_figure(data: PageData) -> Any:
         "accuracy": [_num(r.heldout_accuracy) for r in curve],
         "seconds": [float(r.seconds) for r in curve],
     })
-    fig = figure(title="learning curve: reward mean and held-out accuracy per iteration", height=240,
+    fig = figure(title="learning curve: reward mean and held-out accuracy per iteration", height=280,
                  width=WIDTH, x_axis_label="iteration", y_axis_label="reward mean", tools="reset")
     fig.extra_y_ranges = {"acc": Range1d(0, 100)}
     fig.add_layout(LinearAxis(y_range_name="acc", axis_label="held-out accuracy (%)"), "right")
@@ -144,7 +150,9 @@ def _learning_figure(data: PageData) -> Any:
     r2 = fig.line("iteration", "accuracy", source=src, color="#d62728", line_width=2, y_range_name="acc",
                   legend_label="held-out accuracy")
     fig.scatter("iteration", "accuracy", source=src, color="#d62728", size=6, y_range_name="acc")
-    fig.legend.location = "top_left"
+    legend = fig.legend[0]
+    legend.orientation, legend.location = "horizontal", "top_left"
+    fig.add_layout(legend, "above")  # outside the plot: no point hidden under it
     fig.add_tools(HoverTool(renderers=[r1, r2], tooltips=[
         ("iteration", "@iteration"), ("reward", "@reward{0.000}"), ("accuracy %", "@accuracy{0.0}"),
         ("seconds", "@seconds{0.0}")]))
@@ -170,7 +178,7 @@ def _decision_table(data: PageData) -> Any:
     fmt = NumberFormatter(format="0.000", nan_format="—", null_format="—")
     titles = {"phi": "φ", "threshold": "margin/device", "role": "for role"}
     numeric = ("G", "phi", "B", "threshold")
-    widths = {"stimulus": 170, "moves": 200, "threshold": 90}
+    widths = {"t": 55, "decision": 55, "stimulus": 170, "moves": 190, "threshold": 85, "candidates": 70}
     columns = [TableColumn(field=k, title=titles.get(k, k), width=widths.get(k, 60),
                            **({"formatter": fmt} if k in numeric else {})) for k in cols]
     return DataTable(source=ColumnDataSource(cols), columns=columns, width=WIDTH, height=_rows(len(ds)),
@@ -214,10 +222,13 @@ def page(data: PageData) -> Any:
 
 
 def render(data: PageData, refresh_s: int = 3) -> str:
+    """The page as HTML, reloading itself every `refresh_s` seconds (never when 0)."""
     from bokeh.embed import file_html
     from bokeh.resources import INLINE
 
     html = file_html(page(data), INLINE, "pivotrl")
+    if refresh_s <= 0:
+        return html
     return html.replace("<head>", f'<head><meta http-equiv="refresh" content="{refresh_s}">', 1)
 
 
@@ -238,7 +249,9 @@ def _install(dask_scheduler: Any = None) -> str:
             if plugin is None:
                 self.write("pivotrl is not running on this scheduler")
                 return
-            self.write(render(page_data(plugin)))
+            # `?refresh=0` holds the page still (reading a table, a screenshot); the default follows the run
+            refresh = self.get_argument("refresh", "3")
+            self.write(render(page_data(plugin), int(refresh) if refresh.isdigit() else 3))
 
     app = getattr(dask_scheduler, "http_application", None)
     if app is None:

@@ -113,7 +113,7 @@ def test_the_page_has_a_role_legend_iteration_lines_the_learning_curve_and_the_r
 
     layout = page(sample_page())
     labels = {str(item.label.value) for item in layout.select({"type": LegendItem})}
-    assert set(ROLE_LABELS.values()) <= labels  # every role colour is named, idle included
+    assert {*ROLE_LABELS.values(), "shift decision"} <= labels  # every role colour is named, idle included
     spans = [s.location for s in layout.select({"type": Span})]
     assert spans.count(0.25) == 3 and spans.count(2.5) == 3  # one line per time chart per iteration
     assert {lb.text.strip() for lb in layout.select({"type": Label})} == {"it 0", "it 1"}
