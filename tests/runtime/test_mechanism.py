@@ -207,4 +207,7 @@ def test_dashboard_page_renders_roles_queues_and_shifts(cluster):
     assert link
     if link:
         page = urllib.request.urlopen(link.replace("/status", "/pivotrl"), timeout=10).read().decode()
-        assert "tokens/s per role" in page
+        assert "tokens/s per role" in page and 'http-equiv="refresh"' in page
+        held = urllib.request.urlopen(link.replace("/status", "/pivotrl?refresh=0"), timeout=10)
+        held = held.read().decode()
+        assert "tokens/s per role" in held and 'http-equiv="refresh"' not in held  # held still
