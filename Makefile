@@ -8,7 +8,10 @@ TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= dev
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-all lint demo bench clean
+# apt-get as root (CI, containers); `make browser-test APT='sudo apt-get'` elsewhere
+APT ?= apt-get
+
+.PHONY: setup test test-all lint demo bench clean browser-setup browser-test dashboard-screenshot
 
 setup: $(VENV)/.installed
 
@@ -36,6 +39,19 @@ bench: setup
 	$(PY) -m benchmarks.generation --quick --json storage/bench/generation.json
 	$(PY) -m benchmarks.gps --quick --json storage/bench/gps.json
 	$(PY) -m benchmarks.planner --quick --json storage/bench/planner.json
+
+# The /pivotrl dashboard page in headless Chromium (Debian's package; Playwright from the `browser` extra).
+browser-setup: setup
+	@command -v chromium >/dev/null || ($(APT) update && $(APT) install -y chromium)
+	$(PY) -m pip install -q -e ".[$(EXTRAS),browser]"
+
+browser-test: browser-setup
+	$(PY) -m pytest -q -m slow tests/runtime/test_dashboard_browser.py $(PYTEST_ARGS)
+
+# docs/dashboard.png, the README's screenshot: the same test on the quickstart (bootstrap cached in storage/)
+dashboard-screenshot: browser-setup
+	PIVOTRL_DASHBOARD_CONFIG=configs/quickstart.yaml PIVOTRL_DASHBOARD_SCREENSHOT=docs/dashboard.png \
+		$(PY) -m pytest -q -m slow tests/runtime/test_dashboard_browser.py $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,4 +1,4 @@
-"""Kill-and-resume against an uninterrupted run: the same config, `--workers 1`, debug-size models.
+"""Kill-and-resume against an uninterrupted run: the same config, `--workers 1` (or 2), debug-size models.
 
     python -m benchmarks.resume --quick --json OUT.json
 
@@ -11,7 +11,9 @@ final policy are compared with the uninterrupted run's.
 Keys: `kills` (processes that died by SIGKILL), `resumed_ok` (every resume started and the last one
 finished), `iterations_repeated` and `iterations_skipped` (in the final run's metrics: must be 0),
 `final_policy_bit_identical`, `resume_overhead_s` (median, from loading the checkpoint to the resumed run's
-first optimizer step: cluster start and weight loads included). Printed last: `final_policy_bit_identical`.
+first optimizer step: cluster start and weight loads included). With `--workers 2` also
+`final_policy_within_tolerance` (max |Δ| ≤ `--tolerance`: two replicas' gradient sums may be reduced in
+another order). Printed last: `final_policy_bit_identical`.
 """
 
 from __future__ import annotations
@@ -53,10 +55,12 @@ scheduler: {{mode: shiftable, tick_s: 0.1}}
     return cfg
 
 
-def submit(cfg: Path, resume: bool, kill_at: str | None, kill_after_s: float | None) -> tuple[int, str, str]:
+def submit(cfg: Path, resume: bool, kill_at: str | None, kill_after_s: float | None,
+           workers: int = 1) -> tuple[int, str, str]:
     """One `submit` process; killed at a fault point (`kill_at`) or `kill_after_s` after it starts.
     Returns its exit status, stdout and stderr."""
-    cmd = [sys.executable, "-m", "pivotrl.cli", "submit", str(cfg), "--workers", "1", "--quiet", "--no-eval"]
+    cmd = [sys.executable, "-m", "pivotrl.cli", "submit", str(cfg), "--workers", str(workers), "--quiet",
+           "--no-eval"]
     if resume:
         cmd += ["--resume", "latest"]
     env = {k: v for k, v in os.environ.items() if k != "PIVOTRL_KILL_AT"}
@@ -96,6 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--storage", type=Path, default=Path("storage/bench/resume"))
     ap.add_argument("--seed", type=int, default=0, help="draws the wall-clock kill moments")
+    ap.add_argument("--workers", type=int, default=1, help="device workers of every run (2: the final "
+                    "policy is compared within --tolerance, not bit for bit)")
+    ap.add_argument("--tolerance", type=float, default=1e-5, help="max |Δ| of any weight, with 2+ workers")
     args = ap.parse_args(argv)
     iterations, wall_kills = (6, 2) if args.quick else (10, 4)
     rng = random.Random(args.seed)
@@ -108,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     create_model("debug", root / "models" / "judge", seed=2)
     t0 = time.monotonic()
     ref_cfg = write_config(root, root / "uninterrupted", iterations)
-    rc, out, err = submit(ref_cfg, resume=False, kill_at=None, kill_after_s=None)
+    rc, out, err = submit(ref_cfg, resume=False, kill_at=None, kill_after_s=None, workers=args.workers)
     if rc != 0:
         print(out[-2000:], err[-2000:])
         raise SystemExit(f"the uninterrupted run failed (exit {rc})")
@@ -122,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     plan += [(p, None) for p in POINTS[1:]]
     kills, resumes_ok, overheads, log = 0, True, [], []
     for i, (point, after) in enumerate(plan):
-        rc, out, err = submit(cfg, resume=i > 0, kill_at=point, kill_after_s=after)
+        rc, out, err = submit(cfg, resume=i > 0, kill_at=point, kill_after_s=after, workers=args.workers)
         kills += rc == -signal.SIGKILL
         first = out.splitlines()[0] if out else ""
         if i > 0 and out and not first.startswith("resuming run"):  # (a kill may come before any output)
@@ -134,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
             print(out[-2000:], err[-2000:])
             resumes_ok = False
             break
-    rc, out, err = submit(cfg, resume=True, kill_at=None, kill_after_s=None)
+    rc, out, err = submit(cfg, resume=True, kill_at=None, kill_after_s=None, workers=args.workers)
     first = out.splitlines()[0] if out else ""
     if rc != 0:
         print(out[-2000:], err[-2000:])
@@ -159,6 +166,9 @@ def main(argv: list[str] | None = None) -> int:
         "iterations_skipped": len(set(range(iterations)) - set(seen)),
         "final_policy_bit_identical": bool(identical),
         "final_policy_max_abs_diff": max_diff,
+        "workers": args.workers,
+        "final_policy_within_tolerance": max_diff is not None and max_diff <= args.tolerance,
+        "tolerance": args.tolerance,
         "resume_overhead_s": statistics.median(overheads) if overheads else None,
         "uninterrupted_wall_s": uninterrupted_s,
         "runs": log,
@@ -169,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps(out_json, indent=1))
     for k in ("kills", "resumed_ok", "iterations_repeated", "iterations_skipped", "resume_overhead_s"):
         print(f"{k} {out_json[k]}")
+    if args.workers > 1:
+        print(f"final_policy_max_abs_diff {max_diff} (tolerance {args.tolerance:g})")
+        print(f"final_policy_within_tolerance {out_json['final_policy_within_tolerance']}")
     print(f"final_policy_bit_identical {out_json['final_policy_bit_identical']}")
     ok = resumes_ok and out_json["iterations_repeated"] == 0 and out_json["iterations_skipped"] == 0
     return 0 if ok else 1

@@ -64,6 +64,9 @@ class RunCheckpoint:
     rows: list[dict[str, Any]] = field(default_factory=list)
     curve: list[dict[str, float]] = field(default_factory=list)
     eval: dict[str, float] = field(default_factory=dict)
+    # what core's controller had learned (`pivotrl.core.learned.LearnedState.to_json`): shift costs, step-time
+    # fits, the last iteration's profile; a resumed run plans from these instead of priors
+    learned: dict[str, Any] | None = None
 
 
 def _write(path: Path, data: bytes) -> None:

@@ -58,6 +58,7 @@ class IterationRun:
         self.trained: set[str] = set()
         self.current, self.closed, self.flush_due = 0, False, False
         self.steps: list[dict[str, Any]] = []
+        self.apply_s = 0.0  # seconds the driver spent in the optimizer owner's steps (reduce, step, publish)
         # the first device stage before train (rollout): the next iteration may start once all samples left it
         self.first = next(
             (i for i, st in enumerate(self.stages[: self.train_idx]) if st.role is not None), None
@@ -139,8 +140,10 @@ class IterationRun:
                 self.closed, self.flush_due = True, bool(self.pending)
             if self.pending:
                 return
+            t_apply = time.monotonic()
             version = self.pipeline.updater.apply(self.slice_grads, self.iteration)
             self.steps.append(dict(getattr(self.pipeline.updater, "last_stats", {}) or {}))
+            self.apply_s += time.monotonic() - t_apply
             self.stage_last["train"] = time.monotonic() - self.t0
             if version != self.ctx.policy_version:
                 self.ctx.policy_version = version

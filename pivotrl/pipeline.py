@@ -185,6 +185,7 @@ class GenRMRewardStage(Stage):
             ids = ctx.encode(self.template.prompt(sample.problem.prompt, sample.response_text))
             eos = ctx.tokenizer.eos_token_id
         s = ctx.cfg.reward.sampling
+        sample.data["judge_prompt_tokens"] = len(ids)
         return {
             "payload": {
                 "prompt_ids": ids,
@@ -369,7 +370,8 @@ class Pipeline:
 
     @staticmethod
     def result(run: IterationRun) -> IterationResult:
-        train_stats = {**(run.steps[-1] if run.steps else {}), "steps": float(len(run.steps))}
+        train_stats = {**(run.steps[-1] if run.steps else {}), "steps": float(len(run.steps)),
+                       "apply_s": run.apply_s}
         return IterationResult(
             run.iteration,
             run.samples,
@@ -473,8 +475,6 @@ def run_iterations(
             row["elapsed_s"] = time.monotonic() - t_start
             if hasattr(ctx.task, "epochs"):  # a dataset: epochs of its train split drawn so far
                 row["epochs"] = ctx.task.epochs(cfg.task.prompts_per_iteration, res.iteration)
-            if hasattr(session, "report"):
-                session.report(_report(res, row, ctx))
             budget_hit = budget_hit or (
                 time_budget_s is not None and time.monotonic() - t_start >= time_budget_s
             )
@@ -482,6 +482,8 @@ def run_iterations(
             due = evaluate_every and trained % evaluate_every == 0
             if evaluate_fn is not None and (last or due):
                 row["heldout_accuracy"] = evaluate_fn(res.iteration, divert)
+            if hasattr(session, "report"):  # after the evaluation, so the learning curve has its point
+                session.report(_report(res, row, ctx))
             rows.append(row)
             if bar is not None:
                 bar.set_postfix_str(meter.postfix(row))
@@ -508,6 +510,7 @@ def _report(res: IterationResult, row: dict[str, Any], ctx: StageContext) -> Any
         policy_version=int(res.version),
         judged=int(ctx.counters.get("judged", 0)),
         unparseable=int(ctx.counters.get("unparsed", 0)),
+        heldout_accuracy=None if row.get("heldout_accuracy") is None else float(row["heldout_accuracy"]),
     )
 
 

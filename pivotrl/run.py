@@ -44,6 +44,19 @@ class RunResult:
 # ----------------------------------------------------------------------------------------------------
 
 
+def _restore_learned(controller: Any, data: dict[str, Any], log: Callable[[str], None]) -> None:
+    """A resumed run's controller starts from what the checkpointed one had learned (shift costs, step
+    fits, the last iteration's profile); a record it cannot read costs only that: it starts from priors."""
+    from pivotrl.core.learned import LearnedState, restore_learned
+
+    try:
+        restore_learned(controller, LearnedState.from_json(data))
+    except ValueError as e:
+        log(f"resume: {e}; the controller starts from its priors")
+        return
+    log("resume: the controller starts from its learned shift costs and step-time fits")
+
+
 def resolve_models(cfg: PipelineConfig, log: Callable[[str], None]) -> dict[str, Path]:
     """HF directories of the version-0 policy and judge: given paths, or the (cached) bootstrap."""
     paths: dict[str, Path] = {}
@@ -350,6 +363,8 @@ def run_pipeline(
                     log(f"dashboard: {handle.dashboard_link}  (pivotrl page: /pivotrl)")
                 if controller is None:
                     controller = build_controller(cfg, mode, n_dev, log)
+                if resumed is not None and resumed.ckpt.learned is not None:
+                    _restore_learned(controller, resumed.ckpt.learned, log)
                 result.policy = policy_description(controller)
                 session = RuntimeSession.install(
                     handle.client,
@@ -394,7 +409,7 @@ def run_pipeline(
                     result.iterations.append(row)
                     ckpt = checkpoint.RunCheckpoint(
                         run_id, res.iteration + 1, owner.version, cfg_json, result.iterations, result.curve,
-                        result.eval,
+                        result.eval, learned=session.learned(),
                     )
                     checkpoint.commit(run_dir, ckpt, owner, gps, pinned[0])
                     if resumed is not None and len(result.iterations) == resumed.ckpt.iterations_done + 1:

@@ -123,3 +123,17 @@ def test_one_stale_iteration_trains_every_sample_once_in_order(setup):
     assert [r["iteration"] for r in h] == [0, 1, 2] and [r["version"] for r in h] == [1, 2, 3]
     assert h[0]["staleness_max"] == 0 and all(r["staleness_max"] == 1 for r in h[1:])
     assert h[-1]["heldout_accuracy"] is not None and res.curve[-1][0] == 3
+
+
+def test_each_iteration_report_carries_the_held_out_accuracy_measured_after_it(setup, monkeypatch):
+    """The scheduler's learning curve (the `/pivotrl` page) is built from these reports: one sent before
+    the evaluation would never carry an accuracy."""
+    from pivotrl.runtime.local_session import LocalSession
+
+    cfg, boot = setup
+    sent = []
+    monkeypatch.setattr(LocalSession, "report", lambda self, report: sent.append(report))
+    res = run_loop(cfg, boot.policy_dir, boot.judge_dir, iterations=2, eval_every=1)
+    assert [r.iteration for r in sent] == [0, 1]
+    assert [r.heldout_accuracy for r in sent] == [h["heldout_accuracy"] for h in res.history]
+    assert all(r.heldout_accuracy is not None for r in sent)

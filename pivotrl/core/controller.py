@@ -69,6 +69,9 @@ class Controller:
         # one from what this one would have needed; `profiles` keeps every finished iteration's profile.
         self.meter = IterationMeter()
         self.profiles: list[IterationProfile] = []
+        # a resumed run's last finished iteration (`pivotrl.core.learned.restore_learned`): handed to the
+        # policy by the first `begin_iteration`, which has no iteration of its own that just ended
+        self.resumed_profile: IterationProfile | None = None
         for d in devices:
             self.add_device(d, now)
 
@@ -88,6 +91,9 @@ class Controller:
         last = self.meter.profile(now, mode, predicted, self.shift_costs)
         if last is not None:
             self.profiles.append(last)
+        elif self.resumed_profile is not None:
+            last = self.resumed_profile
+        self.resumed_profile = None
         self.state.plan = plan
         for r in self.state.roles:
             self.state.submitted[r] = 0
@@ -302,7 +308,9 @@ class Controller:
                 "remaining_tokens": st.remaining[r],
                 "tokens_per_s": sum(x.rate() for x in reps if x.state is ReplicaState.ACTIVE),
             }
-        return {"roles": roles,
+        fits = {str(r): {"a_s": m.a, "b_s": m.b, "tokens_per_seq_step": m.tokens_per_seq_step,
+                         "samples": m.samples} for r, m in st.role_models.items()}
+        return {"roles": roles, "step_fits": fits,
                 "devices": {d: (None if r is None else str(r)) for d, r in st.device_role.items()},
                 "free_devices": len(st.free_devices()),
                 "decisions": self._next_id}

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from pivotrl.core import Role, Sequence
 from pivotrl.runtime.messages import (
     GradResult,
     ItemResult,
@@ -28,6 +29,18 @@ from pivotrl.runtime.messages import (
     WorkItem,
     WorkRequest,
 )
+
+
+def sequence_of(req: WorkRequest, generated: int = 0) -> Sequence:
+    """The core view of a work item. A train item's work is its token count, "generated" like tokens."""
+    if req.role == "train":
+        return Sequence(req.id, Role.TRAIN, prompt_tokens=0, max_new_tokens=max(1, req.est_tokens),
+                        iteration=req.iteration, group_id=req.group_id)
+    return Sequence(req.id, Role(req.role), prompt_tokens=req.prompt_tokens,
+                    max_new_tokens=max(1, req.max_new_tokens), generated=generated,
+                    expected_new_tokens=float(req.est_tokens) if req.est_tokens else None,
+                    iteration=req.iteration, group_id=req.group_id)
+
 
 LIVE = (ItemState.WAITING, ItemState.ASSIGNED, ItemState.RUNNING)
 ON_WORKER = (ItemState.ASSIGNED, ItemState.RUNNING, ItemState.ACCUMULATED)

@@ -235,7 +235,9 @@ class Collected(Wire):
 
 @dataclass(frozen=True)
 class IterationReport(Wire):
-    """What the driver tells the scheduler after each iteration, for the `/metrics` exporter."""
+    """What the driver tells the scheduler after each iteration, for the `/metrics` exporter and the
+    `/pivotrl` page's learning curve. `heldout_accuracy` (percent) is None for an iteration the driver did
+    not evaluate."""
 
     iteration: int
     seconds: float
@@ -243,6 +245,7 @@ class IterationReport(Wire):
     policy_version: int
     judged: int = 0
     unparseable: int = 0
+    heldout_accuracy: float | None = None
 
 
 # ----------------------------------------------------------------------------------------------------

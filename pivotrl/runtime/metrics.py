@@ -163,6 +163,16 @@ class IterationMeter:
         if both:
             agree = sum((float(s.reward or 0.0) >= 0.5) == bool(s.data["correct"]) for s in both)
             row["judge_agreement"] = 100.0 * agree / len(both)
+        # what a simulator profile of this run needs (benchmarks.fidelity): every sample's lengths and core's
+        # fitted step-time line per role (JSON summary only: not scalars)
+        row["lengths"] = {
+            "prompt": [len(s.prompt_ids) for s in samples],
+            "response": [len(s.response_ids) for s in samples],
+            "judge_prompt": [int(s.data.get("judge_prompt_tokens", 0)) for s in samples],
+            "judge": [int(s.data.get("judge_tokens", 0)) for s in samples],
+        }
+        if "step_fits" in st.get("control", {}):
+            row["step_fits"] = st["control"]["step_fits"]
         per_dev = device_time_delta(self.device_time0, device_times(st))
         row["device_time"] = per_dev
         row["plan_s"] = st.get("plan_s", 0.0) - self.plan0[0]  # controller CPU time (scheduler process)
@@ -174,7 +184,7 @@ class IterationMeter:
         for ph in PHASES:
             vals = [shift_phase(e, ph) for e in self.shifts]
             row[f"shift_{ph}_s"] = sum(vals) / len(vals) if vals else math.nan
-        for key in ("loss", "grad_norm", "skipped", "replica_sums", "clip_frac", "steps"):
+        for key in ("loss", "grad_norm", "skipped", "replica_sums", "clip_frac", "steps", "apply_s"):
             if key in train_stats:
                 row[f"train_{key}"] = float(train_stats[key])
         for stage, t in res.stage_seconds.items():

@@ -20,8 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pivotrl.core import Controller, Decision, IterationPlan, Role, Sequence, ShiftTimings
-from pivotrl.runtime.items import ItemLedger
+from pivotrl.core import Controller, Decision, IterationPlan, ShiftTimings
+from pivotrl.runtime.items import ItemLedger, sequence_of
 from pivotrl.runtime.messages import (
     Collected,
     ItemState,
@@ -30,17 +30,7 @@ from pivotrl.runtime.messages import (
     SyncReport,
     WorkRequest,
 )
-
-
-def sequence_of(req: WorkRequest, generated: int = 0) -> Sequence:
-    """The core view of a work item. A train item's work is its token count, "generated" like tokens."""
-    if req.role == "train":
-        return Sequence(req.id, Role.TRAIN, prompt_tokens=0, max_new_tokens=max(1, req.est_tokens),
-                        iteration=req.iteration, group_id=req.group_id)
-    return Sequence(req.id, Role(req.role), prompt_tokens=req.prompt_tokens,
-                    max_new_tokens=max(1, req.max_new_tokens), generated=generated,
-                    expected_new_tokens=float(req.est_tokens) if req.est_tokens else None,
-                    iteration=req.iteration, group_id=req.group_id)
+from pivotrl.runtime.records import DecisionRecord, IterationMark
 
 
 class WorkerStatus:
@@ -87,6 +77,8 @@ class Orchestrator:
         self.flush_upto = -1
         self.events: list[dict[str, Any]] = []
         self.timeline: list[dict[str, Any]] = []
+        self.decisions: list[DecisionRecord] = []  # the page's shift decisions, B/G/φ from core's reasoning
+        self.iterations: list[IterationMark] = []
         self.tokens: dict[str, int] = {}  # role → tokens produced since start
         self.sample_s = sample_s
         self._last_sample = -1e9
@@ -145,6 +137,8 @@ class Orchestrator:
                      aborts=len(aborts), dispatch=len(dec.dispatch),
                      shifts=[[self._name(d), str(s.to_role)] for s in dec.shifts for d in s.devices],
                      reasoning=None if dec.reasoning is None else dec.reasoning.as_dict())
+        if dec.shifts or dec.dissolved:
+            self.decisions.append(DecisionRecord.of(dec, self._name))
         for seq_id in aborts:
             item = self.ledger.request_abort(seq_id)
             if item is not None:  # never delivered: core already re-queued it; only its tokens are news
@@ -350,6 +344,7 @@ class Orchestrator:
     def begin_iteration(self, plan: IterationPlan, now: float) -> None:
         self.now = now
         self.ctl.begin_iteration(plan, now)
+        self.iterations.append(IterationMark(int(plan.iteration), round(now, 4)))
         self.log("iteration", **{k: v for k, v in plan.__dict__.items()})
 
     def set_version(self, role: str, version: int) -> None:

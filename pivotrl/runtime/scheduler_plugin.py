@@ -51,6 +51,7 @@ class PivotSchedulerPlugin(SchedulerPlugin):
         self._last_tick = -1e9
         self._event_tick_pending = False
         self._exporter: Any = None
+        self.reports: list[IterationReport] = []  # the driver's, one per iteration: the page's learning curve
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -85,6 +86,7 @@ class PivotSchedulerPlugin(SchedulerPlugin):
             "pivotrl_metrics": self.handle_metrics,
             "pivotrl_items": self.handle_items,
             "pivotrl_report": self.handle_report,
+            "pivotrl_learned": self.handle_learned,
         })
         from pivotrl.runtime import prometheus
 
@@ -196,8 +198,16 @@ class PivotSchedulerPlugin(SchedulerPlugin):
         return self.orch.items(list(ids))
 
     def handle_report(self, report: dict[str, Any]) -> None:
+        rep = IterationReport.from_wire(report)
+        self.reports.append(rep)
         if self._exporter is not None:
-            self._exporter.report = IterationReport.from_wire(report)
+            self._exporter.report = rep
+
+    def handle_learned(self) -> dict[str, Any]:
+        """What core's controller has learned, for the driver's run checkpoint."""
+        from pivotrl.core.learned import learned_state
+
+        return learned_state(self.orch.ctl).to_json()
 
     def handle_metrics(self) -> dict[str, Any]:
         return {"timeline": list(self.orch.timeline), "events": list(self.orch.events)}

@@ -59,6 +59,10 @@ class RuntimeSession:
     def metrics(self) -> dict[str, Any]:
         return self._call("pivotrl_metrics")
 
+    def learned(self) -> dict[str, Any]:
+        """Core's learned state (`pivotrl.core.learned.LearnedState.to_json`), for a run checkpoint."""
+        return self._call("pivotrl_learned")
+
     def shift(self, worker: str, role: str | None) -> str:
         return self._call("pivotrl_shift", worker=worker, role=role)
 

@@ -3,7 +3,9 @@
 Prints per-paradigm tokens/s per device and per-iteration stage times, then - last - one JSON line with
 `ratio_vs_colocated`, `ratio_vs_best_static`, `fraction_of_fluid_bound`, `fraction_of_critical_path_bound`
 and `fraction_of_tighter_bound` (shiftable over each; the tighter bound is, per iteration, the larger
-makespan of the fluid and the on-policy critical-path bound).
+makespan of the fluid and the on-policy critical-path bound). With `workload.max_staleness` ≥ 1 it adds
+`ratio_vs_best_static_same_staleness` (the static split with the same staleness: verl fully-async's design)
+and `ratio_vs_colocated_onpolicy` (the paper's baseline); the tighter bound is then the fluid bound.
 """
 
 from __future__ import annotations
@@ -83,6 +85,8 @@ def run(args: argparse.Namespace) -> int:
         print(report_text(rep))
     keys = ("ratio_vs_colocated", "ratio_vs_best_static", "fraction_of_fluid_bound",
             "fraction_of_critical_path_bound", "fraction_of_tighter_bound")
+    if rep.get("max_staleness", 0) > 0:
+        keys += ("ratio_vs_best_static_same_staleness", "ratio_vs_colocated_onpolicy")
     print(json.dumps({k: round(rep[k], 4) for k in keys}))
     sys.stdout.flush()
     return 0

@@ -51,6 +51,9 @@ class WorkloadConfig(Section):
     response_len: LengthDist = LengthDist(median=1024, sigma=0.8, max=8192)
     critique_len: LengthDist = LengthDist(median=512, sigma=0.6, max=4096)
     judge_template_tokens: int = Field(128, ge=0, description="GenRM instructions around prompt+response")
+    max_staleness: int = Field(
+        0, ge=0, le=2, description="the runtime's run.max_staleness: how many policy versions a rollout may "
+        "lag on-policy (0 = on-policy; k >= 1: iteration i+1 generates while iteration i judges and trains)")
 
 
 class DecodeCost(Section):

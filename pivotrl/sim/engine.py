@@ -3,8 +3,12 @@
 Time is the event clock. The simulator is pure mechanism and talks to core's `Controller` exactly as the
 Dask runtime does (docs/core-api.md): it reports what happened (`submit`, `on_progress`, `on_finished`,
 `on_step`, `on_shift_done`) and executes what core decides (`dispatch` assignments; `tick` decisions:
-aborts, then replica shifts, then dispatch). Iterations are on-policy: an iteration's rollouts start only
-after the previous iteration's optimizer step and publish.
+aborts, then replica shifts, then dispatch). Iterations are on-policy by default: an iteration's rollouts
+start only after the previous iteration's optimizer step and publish. With `workload.max_staleness` k ≥ 1
+core's `StalenessBound` decides when the next iteration may start (once the newest one has finished
+generating, and at most k iterations ahead of the last trained one), exactly as the runtime's driver asks it;
+train items of an iteration wait until every earlier iteration has trained, so each gradient is taken at the
+version it is applied to.
 
 Flow of one sequence: rollout (prefill prompt, decode response) -> reward (prefill task prompt + response +
 judge template, decode critique) -> when its whole group is judged, the group's sequences become train
@@ -19,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pivotrl.core import Decision, Role, Sequence, ShiftTimings
+from pivotrl.core.staleness import InFlight, StalenessBound
 from pivotrl.sim.config import ROLES, SimConfig
 from pivotrl.sim.costs import barrier_time, shift_time, step_time, train_rate
 from pivotrl.sim.driver import build_controller, expected, iteration_plan
@@ -111,10 +116,13 @@ class Simulator:
         self.shift_log: list[dict[str, Any]] = []
         self.iter_stats: list[IterStats] = []
         self.n_specs = 0
-        self.cur_iter = -1
+        self.cur_iter = -1  # the newest started iteration
+        self.bound = StalenessBound(cfg.workload.max_staleness)
+        self.trained_through = 0  # iterations 0..trained_through-1 have taken their optimizer step
+        self.held_train: dict[int, list[Sequence]] = {}  # train items waiting for an earlier iteration
         self.group_left: dict[str, int] = {}
         self.group_members: dict[str, list[str]] = {}
-        self.left = dict.fromkeys(ROLES, 0)
+        self.left: dict[int, dict[str, int]] = {}  # per started iteration: items left per role
         self.done = False
         self.tick_pending_at = math.inf
         self.dispatch_pending = False
@@ -149,18 +157,46 @@ class Simulator:
         return sum(1 for r in self.reps.values() if isinstance(r, TrainReplica))
 
     # ---- iteration flow -------------------------------------------------------------------------
+    def _maybe_start_next(self) -> None:
+        """Start the next iteration when core's staleness bound allows it (on-policy: after the barrier)."""
+        nxt = self.cur_iter + 1
+        if nxt >= self.iterations:
+            return
+        newest_done = self.left[self.cur_iter]["rollout"] == 0
+        if self.bound.may_start(InFlight(nxt, self.trained_through, newest_done)):
+            self._start_iteration(nxt)
+
+    def _on_barrier(self, it: int) -> None:
+        """Iteration `it` has stepped and published: rollout replicas pick up the new version, the next
+        iteration's held train items may go, and the window may admit another iteration."""
+        self.iter_stats[it].end = self.now
+        self.trained_through = it + 1
+        if self.trained_through >= self.iterations:
+            self.done = True
+            return
+        sync = self.cfg.cost.iteration.weight_sync_s
+        if sync > 0:
+            for rep in self.reps.values():
+                if isinstance(rep, GenReplica) and rep.role == "rollout":
+                    rep.pause(self.now, sync)
+                    self._schedule(rep)
+        held = self.held_train.pop(it + 1, [])
+        if held:
+            self.ctl.submit(held, self.now)
+        self._maybe_start_next()
+        self._push_barrier_if_trained(it + 1)
+
+    def _push_barrier_if_trained(self, it: int) -> None:
+        left = self.left.get(it)
+        if left is not None and left["train"] == 0 and self.trained_through == it:
+            self._push(self.now + barrier_time(self.cfg, self._train_replicas()), "barrier", it)
+
     def _start_iteration(self, k: int) -> None:
         self.cur_iter = k
         specs = iteration_sequences(self.cfg.workload, k, self.cfg.seed)
         self.n_specs += len(specs)
         self.iter_stats.append(IterStats(k, self.now))
-        self.left = dict.fromkeys(ROLES, len(specs))
-        sync = self.cfg.cost.iteration.weight_sync_s
-        if k > 0 and sync > 0:  # rollout replicas pick up the newly published policy version
-            for rep in self.reps.values():
-                if isinstance(rep, GenReplica) and rep.role == "rollout":
-                    rep.pause(self.now, sync)
-                    self._schedule(rep)
+        self.left[k] = dict.fromkeys(ROLES, len(specs))
         self.ctl.begin_iteration(iteration_plan(self.cfg, k), self.now)
         seqs = []
         max_resp = self.cfg.workload.response_len.max
@@ -186,13 +222,16 @@ class Simulator:
         """Report a finished unit of work; returns the next-stage work it unlocks."""
         seq = self.ctl.on_finished(sid, self.now, generated=tokens)
         s = self.specs[sid]
-        st = self.iter_stats[-1]
+        st = self.iter_stats[s.iteration]
         role = str(seq.role)
-        self.left[role] -= 1
+        left = self.left[s.iteration]
+        left[role] -= 1
         self.counts[f"{role}_finished"] += 1
-        if self.left[role] == 0:
+        if left[role] == 0:
             setattr(st, f"{role}_end", self.now)
             self._request_tick()
+            if role == "rollout" and s.iteration == self.cur_iter:
+                self._maybe_start_next()
         if role == "rollout":
             if math.isnan(st.reward_start):
                 st.reward_start = self.now
@@ -216,10 +255,12 @@ class Simulator:
                 self.tokens_expected["train"] += n
                 out.append(Sequence(mid, Role.TRAIN, 0, n, iteration=m.iteration, group_id=g, payload=n))
             self.counts["train_submitted"] += len(out)
+            if not self.bound.may_train(s.iteration, self.trained_through):
+                self.held_train.setdefault(s.iteration, []).extend(out)
+                return []
             return out
         del self.specs[sid]
-        if self.left["train"] == 0:
-            self._push(self.now + barrier_time(self.cfg, self._train_replicas()), "barrier", self.cur_iter)
+        self._push_barrier_if_trained(s.iteration)
         return []
 
     # ---- executing core's decisions -------------------------------------------------------------
@@ -335,11 +376,7 @@ class Simulator:
             elif kind == "shifted":
                 self._shift_done(*key)
             elif kind == "barrier":
-                self.iter_stats[-1].end = self.now
-                if self.cur_iter + 1 < self.iterations:
-                    self._start_iteration(self.cur_iter + 1)
-                else:
-                    self.done = True
+                self._on_barrier(key)
             elif kind == "dispatch":
                 self.dispatch_pending = False
                 self._assign(self.ctl.dispatch(self.now))

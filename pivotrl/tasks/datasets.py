@@ -39,15 +39,24 @@ def _row_problem(row: Any, where: str, default_uid: str) -> Problem:
 
 
 def _jsonl_rows(path: Path):
-    with path.open("r", encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, start=1):
+    """Each line decoded on its own, so one line that is not UTF-8 is one bad row (skippable), not a
+    failure of the whole file."""
+    with path.open("rb") as fh:
+        for lineno, raw in enumerate(fh, start=1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                yield where, lineno, ValueError(f"{where}: not UTF-8 (byte {exc.start})")
+                continue
             if not line.strip():
                 continue
-            where = f"{path}:{lineno}"
             try:
                 yield where, lineno, json.loads(line)
             except json.JSONDecodeError as exc:
                 yield where, lineno, ValueError(f"{where}: invalid JSON ({exc.msg})")
+            except RecursionError:
+                yield where, lineno, ValueError(f"{where}: invalid JSON (nested too deeply)")
 
 
 def _parquet_rows(path: Path):

@@ -189,6 +189,7 @@ def test_dashboard_page_renders_roles_queues_and_shifts(cluster):
     import urllib.request
 
     from pivotrl.runtime.dashboard import register_dashboard, render
+    from pivotrl.runtime.records import PageData
 
     sess = RuntimeSession.install(
         cluster.client, controller=manual(["rollout", "reward"]), role_specs=specs(), sample_s=0.05
@@ -199,11 +200,14 @@ def test_dashboard_page_renders_roles_queues_and_shifts(cluster):
     sess.shift(next(iter(st["workers"])), "train")
     time.sleep(0.3)
     m = sess.metrics()
-    html = render(m["timeline"], m["events"])
+    html = render(PageData(timeline=m["timeline"], events=m["events"]))
     assert "role of each device" in html and "waiting sequences per role" in html and "fetch" in html
     assert register_dashboard(cluster.client) == "ok"
     link = cluster.dashboard_link
     assert link
     if link:
         page = urllib.request.urlopen(link.replace("/status", "/pivotrl"), timeout=10).read().decode()
-        assert "tokens/s per role" in page
+        assert "tokens/s per role" in page and 'http-equiv="refresh"' in page
+        held = urllib.request.urlopen(link.replace("/status", "/pivotrl?refresh=0"), timeout=10)
+        held = held.read().decode()
+        assert "tokens/s per role" in held and 'http-equiv="refresh"' not in held  # held still

@@ -112,3 +112,12 @@ def test_generator_writes_the_example_dataset_on_first_use(tmp_path):
 def test_a_missing_dataset_is_one_line(tmp_path):
     with pytest.raises(UserError, match="dataset file not found"):
         task_of(tmp_path, [f"task.dataset={tmp_path / 'none.jsonl'}"])
+
+
+def test_a_row_that_is_not_utf8_is_one_bad_row(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b"".join((json.dumps(r) + "\n").encode() for r in rows(2)) + b'{"prompt": "\xff"}\n')
+    with pytest.raises(UserError, match=r"d\.jsonl:3: not UTF-8"):
+        task_of(tmp_path, [f"task.dataset={path}"])
+    task = task_of(tmp_path, [f"task.dataset={path}", "task.on_bad_row=skip"])
+    assert task.stats.rows == 2 and task.stats.skipped == 1

@@ -1,0 +1,193 @@
+"""Simulator fidelity: the paradigms workload on the real 2-worker CPU cluster, then the same workload in the
+simulator from a profile measured in those very runs, tokens/s per device side by side.
+
+    python -m benchmarks.fidelity --quick --json OUT.json
+
+Every configuration of `benchmarks.paradigms` runs once for real (colocated, each static grouping,
+shiftable on-policy and with `run.max_staleness: 1`). The profile is read off those runs only — no constant
+is typed in: the sequences' lengths (every sample's prompt, response, judge prompt and critique), core's own
+fitted step-time line per role (`Controller.snapshot()["step_fits"]`), training tokens/s per device (train
+busy seconds over trained tokens), the measured shift time into each role, the driver's barrier
+(optimizer step + publish) and each rollout device's weight sync per iteration. The simulator then runs each
+configuration with that profile. Both sides are measured the same way: the median over measured iterations of
+an iteration's seconds (with staleness, the time since the previous iteration completed), and tokens/s per
+device is the real run's mean tokens per iteration over it. `max_abs_error` is the largest
+|sim / real − 1| over the paradigms; printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import logging
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.paradigms import GROUPINGS, WARMUP, workload
+from pivotrl.runtime.metrics import shift_phase
+
+ROLES = ("rollout", "reward", "train")
+
+
+def run_real(cfg: Any, mode: str, groups: list[list[str]] | None, staleness: int) -> Any:
+    from pivotrl.run import run_pipeline
+
+    cfg = cfg.model_copy(deep=True)
+    cfg.run.max_staleness = staleness
+    if groups is not None:
+        cfg.scheduler.static_groups = groups
+    return run_pipeline(cfg, mode=mode, workers=2, log=lambda m: None, progress=False,
+                        evaluate_policy=False, save_final=False)
+
+
+def measured(res: Any) -> dict[str, Any]:
+    rows = res.iterations[WARMUP:]
+    secs = [float(r["seconds"]) for r in rows]
+    tokens = [r["tokens_rollout"] + r["tokens_reward"] + r["tokens_train"] for r in rows]
+    dev = {k: statistics.mean(sum(d.get(k, 0.0) for d in r["device_time"].values()) for r in rows)
+           for k in ("rollout", "reward", "train", "flush", "shifting", "sync", "idle")}
+    return {"iteration_s": statistics.median(secs), "iteration_s_each": secs, "device_s_per_iteration": dev,
+            "apply_s": statistics.median(float(r.get("train_apply_s", 0.0)) for r in rows),
+            "tokens_per_iteration": statistics.mean(tokens),
+            "tokens_per_s_per_device": statistics.mean(tokens) / statistics.median(secs) / res.devices}
+
+
+def profile(cfg: Any, runs: dict[str, Any]) -> dict[str, Any]:
+    """A simulator config (plain data) of the workload, every cost read off the runs."""
+    rows = [r for res in runs.values() for r in res.iterations[WARMUP:]]
+    lens: dict[str, list[int]] = {k: [] for k in ("prompt", "response", "judge_prompt", "judge")}
+    for r in rows:
+        for k in lens:
+            lens[k] += r["lengths"][k]
+    template = statistics.median(j - p - x for j, p, x in zip(lens["judge_prompt"], lens["prompt"],
+                                                              lens["response"], strict=True))
+    fits = {role: {k: statistics.median(r["step_fits"][role][k] for r in rows) for k in ("a_s", "b_s")}
+            for role in ("rollout", "reward")}
+    train_busy = sum(d.get("train", 0.0) + d.get("flush", 0.0)
+                     for r in rows for d in r["device_time"].values())
+    train_tokens = sum(r["tokens_train"] for r in rows)
+    shifts: dict[str, list[float]] = {role: [] for role in ROLES}
+    for res in runs.values():
+        for e in res.shifts:
+            shifts[e["role"]].append(shift_phase(e, "total"))
+    all_shifts = [x for v in shifts.values() for x in v]
+    barrier = [float(r["train_apply_s"]) / max(1.0, float(r.get("train_steps", 1.0))) for r in rows
+               if "train_apply_s" in r]
+    # a rollout device picking up a new version fetches and loads it, as the load phase of a shift does
+    sync = [shift_phase(e, "fetch") + shift_phase(e, "load") for res in runs.values() for e in res.shifts
+            if e["role"] == "rollout"]
+    gen = {"rollout": cfg.rollout, "reward": cfg.reward}
+
+    def gen_cost(role: str) -> dict[str, Any]:
+        e = gen[role].engine
+        return {"devices_per_replica": 1, "max_batch": e.max_batch, "kv_tokens": e.kv_budget_tokens,
+                "decode": {"a_s": fits[role]["a_s"], "b_s": fits[role]["b_s"], "c_s": 0.0},
+                "prefill_tokens_per_s": 1e9,  # the fitted step line holds the prefill of admitted prompts
+                "weights_gb": 0.0, "init_s": _median(shifts[role], all_shifts)}
+
+    def empirical(xs: list[int], cap: int) -> dict[str, Any]:
+        return {"dist": "empirical", "samples": [max(1, int(x)) for x in xs], "min": 1, "max": max(cap, *xs)}
+
+    n_dev = 2
+    sc = cfg.scheduler
+    return {
+        "name": "fidelity-measured",
+        "seed": 0,
+        "cluster": {"devices": n_dev},
+        "workload": {
+            "prompts_per_iteration": cfg.task.prompts_per_iteration,
+            "group_size": cfg.task.group_size,
+            "iterations": cfg.run.iterations - WARMUP + 1,
+            "prompt_len": empirical(lens["prompt"], 1),
+            "response_len": empirical(lens["response"], cfg.rollout.sampling.max_new_tokens),
+            "critique_len": empirical(lens["judge"], cfg.reward.sampling.max_new_tokens),
+            "judge_template_tokens": max(0, int(template)),
+        },
+        "cost": {
+            "gpu": "cpu-core (measured)",
+            "rollout": gen_cost("rollout"),
+            "reward": gen_cost("reward"),
+            "train": {"devices_per_replica": 1, "micro_batch_seqs": cfg.train.micro_batch,
+                      "tokens_per_s_per_device": train_tokens / train_busy, "weights_gb": 0.0,
+                      "init_s": _median(shifts["train"], all_shifts)},
+            "gps": {"fetch_tier": "host", "tiers": {"host": {"bandwidth_gb_s": 10.0}}},
+            "iteration": {"optimizer_step_s": statistics.median(barrier) if barrier else 0.0,
+                          "weight_sync_s": statistics.median(sync) if sync else 0.0},
+        },
+        "scheduler": {"tick_s": sc.tick_s, "horizon_s": sc.horizon_s, "hysteresis": sc.hysteresis,
+                      "cooldown_s": sc.cooldown_s, "progress_s": 0.1, "dispatch_batch_s": 0.005},
+    }
+
+
+def _median(xs: list[float], fallback: list[float]) -> float:
+    vals = xs or fallback
+    return statistics.median(vals) if vals else 0.0
+
+
+def simulated(sim_cfg: Any, mode: str, split: dict[str, int] | None, tokens_per_iteration: float) -> dict:
+    from pivotrl.sim.compare import simulate
+
+    r = simulate(sim_cfg, mode, split, record=False)
+    ends = [it["start_s"] + it["total_s"] for it in r.iterations]
+    secs = [b - a for a, b in itertools.pairwise(ends)]
+    s = statistics.median(secs)
+    return {"iteration_s": s, "iteration_s_each": secs, "finished": r.finished,
+            "tokens_per_s_per_device": tokens_per_iteration / s / sim_cfg.cluster.devices}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="the quick paradigms workload")
+    ap.add_argument("--json", type=Path, help="write the results here")
+    ap.add_argument("--storage", type=Path, default=Path("storage/bench"))
+    args = ap.parse_args(argv)
+    for name in ("distributed", "distributed.worker", "distributed.scheduler", "distributed.nanny"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    import torch
+
+    from pivotrl.config import validate
+    from pivotrl.sim.config import SimConfig
+
+    torch.set_num_threads(1)
+    t0 = time.monotonic()
+    cfg = workload(args.quick, args.storage, "debug")
+    configs: list[tuple[str, str, list[list[str]] | None, int]] = [("colocated", "colocated", None, 0)]
+    configs += [(f"static {name}", "disaggregated", groups, 0) for name, groups in GROUPINGS.items()]
+    configs += [("shiftable", "shiftable", None, 0), ("shiftable_async", "shiftable", None, 1)]
+    runs: dict[str, Any] = {}
+    for name, mode, groups, k in configs:
+        runs[name] = run_real(cfg, mode, groups, k)
+        tps = measured(runs[name])["tokens_per_s_per_device"]
+        print(f"real {name:<32} {tps:8.1f} tok/s/device", flush=True)
+    prof = profile(cfg, runs)
+    out: dict[str, Any] = {"profile": {k: v for k, v in prof["cost"].items()}, "paradigms": {}}
+    for name, _mode, groups, k in configs:
+        real = measured(runs[name])
+        data = json.loads(json.dumps(prof))
+        data["workload"]["max_staleness"] = k
+        sim_cfg = validate(data, SimConfig, source="benchmarks.fidelity profile")
+        if groups is None:
+            sim = simulated(sim_cfg, "colocated" if name == "colocated" else "shiftable", None,
+                            real["tokens_per_iteration"])
+        else:
+            split = {"+".join(g): 1 for g in groups}
+            sim = simulated(sim_cfg, "grouped", split, real["tokens_per_iteration"])
+        err = sim["tokens_per_s_per_device"] / real["tokens_per_s_per_device"] - 1.0
+        out["paradigms"][name] = {"max_staleness": k, "real": real, "sim": sim, "error": err}
+        print(f"{name:<32} real {real['tokens_per_s_per_device']:8.1f}  "
+              f"sim {sim['tokens_per_s_per_device']:8.1f}  error {err:+.3f}", flush=True)
+    out["max_abs_error"] = max(abs(p["error"]) for p in out["paradigms"].values())
+    out["wall_s"] = time.monotonic() - t0
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(out, indent=1))
+    print(f"max_abs_error {out['max_abs_error']:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

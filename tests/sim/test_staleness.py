@@ -1,0 +1,81 @@
+"""Bounded staleness in the simulator (`workload.max_staleness`): core's `StalenessBound` decides when an
+iteration starts, train items wait for every earlier iteration, and nothing is lost."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pivotrl.sim.compare import compare, simulate
+from pivotrl.sim.config import load_sim_config
+
+ROOT = Path(__file__).resolve().parents[2]
+PAPER = ROOT / "configs/sim/paper-32gpu.yaml"
+SMALL = ["cluster.devices=8", "workload.prompts_per_iteration=16", "workload.group_size=4",
+         "workload.iterations=3", "search.exhaustive_max_splits=8", "search.top_k=2",
+         "search.max_simulations=4"]
+MODES = [("colocated", None), ("shiftable", None), ("disaggregated", {"rollout": 2, "reward": 4, "train": 2})]
+
+
+def _check_order(iters: list[dict[str, float]], k: int) -> None:
+    """The staleness rule, read back from the stage times of every iteration."""
+    for j in range(1, len(iters)):
+        cur, prev = iters[j], iters[j - 1]
+        start = cur["start_s"]
+        assert start >= prev["start_s"] + prev["rollout_s"] - 1e-9  # j-1 finished generating first
+        if j - k - 1 >= 0:  # every iteration before j-k had trained
+            older = iters[j - k - 1]
+            assert start >= older["start_s"] + older["total_s"] - 1e-9
+        if k == 0:
+            assert start == pytest.approx(prev["start_s"] + prev["total_s"])
+        # optimizer steps in iteration order
+        assert cur["start_s"] + cur["total_s"] >= prev["start_s"] + prev["total_s"] - 1e-9
+
+
+@pytest.mark.parametrize("k", [0, 1, 2])
+@pytest.mark.parametrize("mode,split", MODES)
+def test_every_paradigm_conserves_work_and_keeps_the_bound(mode: str, split: dict[str, int] | None,
+                                                           k: int) -> None:
+    cfg = load_sim_config(PAPER, [*SMALL, f"workload.max_staleness={k}"])
+    r = simulate(cfg, mode, split)
+    assert r.finished and r.conservation["conserved"], r.conservation
+    _check_order(r.iterations, k)
+
+
+def test_staleness_overlaps_iterations_and_shortens_the_run() -> None:
+    on = load_sim_config(PAPER, [*SMALL, "workload.max_staleness=0"])
+    off = load_sim_config(PAPER, [*SMALL, "workload.max_staleness=1"])
+    a, b = simulate(on, "disaggregated", MODES[2][1]), simulate(off, "disaggregated", MODES[2][1])
+    # with k = 1 iteration 1 starts before iteration 0 has trained
+    assert b.iterations[1]["start_s"] < b.iterations[0]["total_s"]
+    assert b.makespan_s < a.makespan_s
+
+
+@settings(max_examples=12, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(k=st.integers(0, 2), seed=st.integers(0, 10_000), devices=st.integers(3, 10),
+       group=st.integers(1, 6), prompts=st.integers(1, 12), sigma=st.floats(0.0, 1.5))
+def test_random_small_workloads_keep_the_rule(k: int, seed: int, devices: int, group: int, prompts: int,
+                                              sigma: float) -> None:
+    cfg = load_sim_config(PAPER, [
+        f"cluster.devices={max(devices, 2)}", f"workload.prompts_per_iteration={prompts}",
+        f"workload.group_size={group}", "workload.iterations=3", f"workload.max_staleness={k}",
+        f"seed={seed}", f"workload.response_len.sigma={sigma}"])
+    r = simulate(cfg, "shiftable", record=False)
+    assert r.finished and r.conservation["conserved"], r.conservation
+    _check_order(r.iterations, k)
+
+
+def test_compare_reports_the_staleness_keys() -> None:
+    cfg = load_sim_config(PAPER, [*SMALL, "workload.max_staleness=1"])
+    rep = compare(cfg)
+    tps = rep["tokens_per_s_per_device"]
+    assert rep["max_staleness"] == 1
+    assert rep["ratio_vs_best_static_same_staleness"] == pytest.approx(tps["shiftable"] / tps["best_static"])
+    assert rep["ratio_vs_colocated_onpolicy"] == pytest.approx(tps["shiftable"] / tps["colocated_onpolicy"])
+    # with staleness the critical-path bound no longer binds: the tighter bound is the fluid bound
+    assert tps["tighter_bound"] == tps["fluid_bound"]
+    assert rep["fraction_of_tighter_bound"] == pytest.approx(rep["fraction_of_fluid_bound"])
+    assert "ratio_vs_colocated_onpolicy" not in compare(load_sim_config(PAPER, SMALL))
