@@ -115,8 +115,10 @@ def profile(cfg: Any, runs: dict[str, Any]) -> dict[str, Any]:
                       "tokens_per_s_per_device": train_tokens / train_busy, "weights_gb": 0.0,
                       "init_s": _median(shifts["train"], all_shifts)},
             "gps": {"fetch_tier": "host", "tiers": {"host": {"bandwidth_gb_s": 10.0}}},
+            # the measured barrier is the whole owner's step: the simulator models the same owner
             "iteration": {"optimizer_step_s": statistics.median(barrier) if barrier else 0.0,
-                          "weight_sync_s": statistics.median(sync) if sync else 0.0},
+                          "weight_sync_s": statistics.median(sync) if sync else 0.0,
+                          "optimizer_owner": cfg.train.optimizer_owner},
         },
         "scheduler": {"tick_s": sc.tick_s, "horizon_s": sc.horizon_s, "hysteresis": sc.hysteresis,
                       "cooldown_s": sc.cooldown_s, "progress_s": 0.1, "dispatch_batch_s": 0.005},
