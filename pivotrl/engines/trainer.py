@@ -298,11 +298,14 @@ class StepStats:
         return d
 
 
-def prepare_step(total: GradSum, grad_clip: float) -> tuple[StepStats, dict[str, torch.Tensor] | None]:
+def prepare_step(total: GradSum, grad_clip: float, only: Iterable[str] | None = None
+                 ) -> tuple[StepStats, dict[str, torch.Tensor] | None]:
     """The step's statistics and its clipped, token-normalised gradients (None: the step is skipped).
 
     Shared by the single optimizer owner and every rank of a sharded train group (each holds the whole
     all-reduced sum), so the clip scale, computed from the full gradient the same way, is the same on all.
+    `only`: the names whose clipped gradients are wanted (a rank's own tensors); the norm is still the
+    whole gradient's, each tensor normalised as the single owner does and then dropped.
     """
     n = max(total.tokens, 1)
     stats = StepStats(
@@ -319,8 +322,15 @@ def prepare_step(total: GradSum, grad_clip: float) -> tuple[StepStats, dict[str,
     if total.tokens == 0:
         stats.skipped, stats.reason = True, "no response tokens"
         return stats, None
-    grads = {name: g / n for name, g in total.grads.items()}
-    norms = torch.stack([torch.linalg.vector_norm(g.double()) for g in grads.values()])
+    keep = set(total.grads) if only is None else set(only)
+    grads: dict[str, torch.Tensor] = {}
+    parts = []
+    for name, g in total.grads.items():
+        gn = g / n
+        parts.append(torch.linalg.vector_norm(gn.double()))
+        if name in keep:
+            grads[name] = gn
+    norms = torch.stack(parts)
     norm = torch.linalg.vector_norm(norms)
     stats.grad_norm = float(norm)
     if total.nonfinite or not math.isfinite(stats.grad_norm) or not math.isfinite(stats.loss):

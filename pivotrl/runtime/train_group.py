@@ -183,7 +183,7 @@ class TrainRank:
         """All-reduce, then AdamW on the owned tensors only; the version advances on every rank."""
         self.settle()
         total = self.reduce(local, folded)
-        stats, grads = prepare_step(total, self.trainer.grad_clip)
+        stats, grads = prepare_step(total, self.trainer.grad_clip, only=self.owned)
         if grads is None:
             self.trainer.skipped_steps += stats.reason.startswith("non-finite")
             return stats
