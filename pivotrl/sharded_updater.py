@@ -36,6 +36,7 @@ class ShardedUpdater:
         self.last_stats: dict[str, Any] = {}
         self.first_step_at: float | None = None
         self.members: tuple[str, ...] = ()
+        self._formation: tuple[int, str] | None = None  # (group id, token) of the ranks' process group
 
     @property
     def version(self) -> int:
@@ -64,12 +65,15 @@ class ShardedUpdater:
             r = plan.rank_of(g.worker) if g.worker in plan.members else 0
             share[r].append(SumRef(g.model, int(g.version), g.stats.as_kwargs()))
         tag = uuid.uuid4().hex[:8]
+        if self._formation is None or self._formation[0] != plan.group_id:  # (re)form the process group
+            self._formation = (plan.group_id, tag)
+        token = self._formation[1]
         futs = []
         for r, member in enumerate(plan.members):
             job = RankStep(self.name, self._version, plan, r, tuple(share[r]), self.hf_dir,
                            self.cfg.models.policy.dtype, self.pad_id, self.cfg,
                            keep_last=self.cfg.gps.keep_last, timeout_s=min(60.0, self.timeout_s),
-                           gps=self.gps_options)
+                           gps=self.gps_options, formation=token)
             futs.append(self.client.submit(run_rank_step, job, key=f"pivotrl-train-{self._version}-{r}-{tag}",
                                            workers=[member], allow_other_workers=False, pure=False))
         try:
@@ -78,6 +82,7 @@ class ShardedUpdater:
             wait(futs, timeout=self.timeout_s)
             results = self.client.gather(futs)
         except Exception as exc:
+            self._formation = None  # the next step forms the group afresh
             for f in futs:
                 f.cancel()
             line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__

@@ -23,33 +23,35 @@ PLUGIN_NAME = "pivotrl-train"
 
 
 class TrainRendezvous:
-    """The current group per policy, and the key-value store address of each group's rank 0."""
+    """The current group per policy, and the key-value store address of each formation's rank 0.
+
+    A formation is one (re)building of a group's process group, named by a token the driver makes: the
+    same members may form again (a new run, a failed step) and must never find the last formation's
+    store."""
 
     def __init__(self) -> None:
         self.plans: dict[str, TrainGroupPlan] = {}
-        self.addresses: dict[tuple[str, int], str] = {}
-        self._posted: dict[tuple[str, int], asyncio.Event] = {}
+        self.addresses: dict[tuple[str, str], str] = {}
+        self._posted: dict[tuple[str, str], asyncio.Event] = {}
 
     def plan(self, policy: str, step: int, devices: Iterable[str]) -> TrainGroupPlan:
         plan = decide_group(self.plans.get(policy), devices, step)
-        if self.plans.get(policy) is not plan:
-            old = self.plans.get(policy)
-            if old is not None:
-                self.addresses.pop((policy, old.group_id), None)
-                self._posted.pop((policy, old.group_id), None)
-            self.plans[policy] = plan
+        self.plans[policy] = plan
         return plan
 
-    def _event(self, key: tuple[str, int]) -> asyncio.Event:
+    def _event(self, key: tuple[str, str]) -> asyncio.Event:
         return self._posted.setdefault(key, asyncio.Event())
 
-    def post(self, policy: str, group_id: int, address: str) -> None:
-        key = (policy, int(group_id))
+    def post(self, policy: str, token: str, address: str) -> None:
+        for old in [k for k in self.addresses if k[0] == policy]:  # one live formation per policy
+            self.addresses.pop(old, None)
+            self._posted.pop(old, None)
+        key = (policy, str(token))
         self.addresses[key] = address
         self._event(key).set()
 
-    async def lookup(self, policy: str, group_id: int, timeout_s: float) -> str | None:
-        key = (policy, int(group_id))
+    async def lookup(self, policy: str, token: str, timeout_s: float) -> str | None:
+        key = (policy, str(token))
         if key not in self.addresses:
             try:
                 await asyncio.wait_for(self._event(key).wait(), timeout_s)
@@ -97,8 +99,8 @@ class TrainGroupPlugin(SchedulerPlugin):
         chosen = [d for d in (train if train else devices) if d in alive]
         return plan_to_wire(self.rv.plan(policy, int(step), chosen or [d for d in devices if d in alive]))
 
-    def handle_post(self, policy: str, group_id: int, address: str) -> None:
-        self.rv.post(policy, group_id, address)
+    def handle_post(self, policy: str, token: str, address: str) -> None:
+        self.rv.post(policy, token, address)
 
-    async def handle_lookup(self, policy: str, group_id: int, timeout_s: float) -> str | None:
-        return await self.rv.lookup(policy, group_id, float(timeout_s))
+    async def handle_lookup(self, policy: str, token: str, timeout_s: float) -> str | None:
+        return await self.rv.lookup(policy, token, float(timeout_s))

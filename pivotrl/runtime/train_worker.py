@@ -43,12 +43,13 @@ class RankStep:
     keep_last: int = 3
     timeout_s: float = 60.0
     optim_behind: bool = True
+    formation: str = ""  # the driver's token of this group formation: a new one rebuilds every rank
     gps: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
 class _Held:
-    group_id: int
+    formation: str
     rank: Any
     kv: Any
 
@@ -72,14 +73,14 @@ def _kv(job: RankStep, address: Any) -> Any:
     other ranks look it up there."""
     from torch import distributed as dist
 
-    policy, gid = job.policy, job.plan.group_id
+    policy, gid, token = job.policy, job.plan.group_id, job.formation
     if job.rank == 0:
         host = socket.gethostbyname(socket.gethostname()) if address is None else address
         kv = dist.TCPStore(host, 0, job.plan.world, is_master=True, wait_for_workers=False,
                            timeout=_td(job.timeout_s))
-        _call("pivotrl_train_post", policy=policy, group_id=gid, address=f"{host}:{kv.port}")
+        _call("pivotrl_train_post", policy=policy, token=token, address=f"{host}:{kv.port}")
         return kv
-    addr = _call("pivotrl_train_lookup", policy=policy, group_id=gid, timeout_s=job.timeout_s)
+    addr = _call("pivotrl_train_lookup", policy=policy, token=token, timeout_s=job.timeout_s)
     if addr is None:
         from pivotrl.runtime.train_group import TrainGroupLost
 
@@ -133,11 +134,15 @@ def _step(job: RankStep, store: Any, host: str | None) -> dict[str, Any]:
     from pivotrl.engines.trainer import GradSum
 
     held = _RANKS.get(job.policy)
-    if held is None or held.group_id != job.plan.group_id or held.rank.trainer.version != job.version:
+    if held is None or held.formation != job.formation:
         _RANKS.pop(job.policy, None)
         kv = _kv(job, host)
-        held = _Held(job.plan.group_id, _build(job, store, kv), kv)
+        held = _Held(job.formation, _build(job, store, kv), kv)
         _RANKS[job.policy] = held
+    elif held.rank.trainer.version != job.version:
+        _RANKS.pop(job.policy, None)
+        raise RuntimeError(f"rank {job.rank} of formation {job.formation} holds version "
+                           f"{held.rank.trainer.version}, the step is of {job.version}")
     rank = held.rank
     t0 = time.perf_counter()
     sums = [GradSum(grads=store.fetch(s.model, s.version), **s.stats) for s in job.sums]
