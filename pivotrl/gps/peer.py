@@ -20,24 +20,33 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Sequence
+from concurrent.futures import Executor
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from pivotrl.gps import layout
-from pivotrl.gps.backend import LocalBackend
+from pivotrl.gps.backend import Backend, LocalBackend
 from pivotrl.gps.errors import IntegrityError, NotFoundError
 from pivotrl.gps.manifest import Manifest, version_dir
-
-if TYPE_CHECKING:
-    from pivotrl.gps.store import ParameterStore
 
 #: Bytes per remote range request: large enough that per-message overhead vanishes on a fast network,
 #: small enough that several are in flight and that a lost holder costs little to re-ask.
 PEER_RANGE_BYTES = 16 << 20
 PEER_ROOT = "peer:"
+
+
+class StoreLike(Protocol):
+    """What peer fetch uses of a `ParameterStore` (named structurally: the store imports this module)."""
+
+    host: Backend | None
+    persistent: Backend
+    chunk_bytes: int
+    _io: Executor
+
+    def _tiers(self) -> list[tuple[str, Backend]]: ...
 
 
 class PeerLost(ConnectionError):
@@ -77,7 +86,7 @@ class PeerSource(Protocol):
     """What a `ParameterStore` with `peers` set calls (see `pivotrl.runtime.gps_plugin.DaskPeers`)."""
 
     def fill(
-        self, store: ParameterStore, model: str, version: int, wanted: list[str] | None
+        self, store: StoreLike, model: str, version: int, wanted: list[str] | None
     ) -> tuple[dict[str, torch.Tensor], Manifest]:
         """A version no local tier holds: pull it from the nearest holder, fill the node's tiers, return
         it (all tensors, or `wanted`); raises `NotFoundError` when no one holds it."""
@@ -93,7 +102,7 @@ class PeerSource(Protocol):
 
 
 # ---------------------------------------------------------------------------------------------- serving
-def local_copy(store: ParameterStore, model: str, version: int) -> tuple[Any, Manifest] | None:
+def local_copy(store: StoreLike, model: str, version: int) -> tuple[Any, Manifest] | None:
     """The fastest of this store's own tiers holding the committed version, with its manifest."""
     for _, backend in store._tiers():
         with contextlib.suppress(FileNotFoundError, ValueError, KeyError):
@@ -101,12 +110,12 @@ def local_copy(store: ParameterStore, model: str, version: int) -> tuple[Any, Ma
     return None
 
 
-def serve_manifest(store: ParameterStore, model: str, version: int) -> dict[str, Any] | None:
+def serve_manifest(store: StoreLike, model: str, version: int) -> dict[str, Any] | None:
     got = local_copy(store, model, version)
     return None if got is None else got[1].to_json()
 
 
-def serve_range(store: ParameterStore, req: RangeRequest) -> np.ndarray | None:
+def serve_range(store: StoreLike, req: RangeRequest) -> np.ndarray | None:
     """The requested bytes from a local tier, or None when this store does not hold a matching copy."""
     got = local_copy(store, req.model, req.version)
     if got is None:
@@ -184,7 +193,7 @@ class PullResult:
 
 
 def pull(
-    store: ParameterStore, model: str, version: int, holders: Sequence[str], source: RangeSource
+    store: StoreLike, model: str, version: int, holders: Sequence[str], source: RangeSource
 ) -> PullResult:
     """Pull (model, version) from `holders` (best first), verified; raises `PeerLost` / `IntegrityError` /
     `NotFoundError` when no holder could deliver a good copy. Writes nothing."""
@@ -220,7 +229,7 @@ def pull(
     raise NotFoundError(f"{model!r} version {version}: no peer holds it")
 
 
-def commit_local(store: ParameterStore, result: PullResult) -> list[str]:
+def commit_local(store: StoreLike, result: PullResult) -> list[str]:
     """Write a pulled version into this node's tiers (host tier, and the persistent tier when it is a
     node-local directory); returns the tiers it was committed in. Atomic per tier (`write_version`)."""
     man = result.manifest

@@ -9,8 +9,8 @@ import os
 
 import pytest
 
+from pivotrl.runtime.local_nodes import install_gps, nodes_cluster, workers_by_node
 from tests.gps._util import check_versioned, versioned_state_dict
-from tests.runtime.nodes import install_gps, nodes_cluster, workers_by_node
 
 WIDTH = 256
 

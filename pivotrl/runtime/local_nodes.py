@@ -1,5 +1,8 @@
 """A "multi-node" Dask cluster on one machine: worker processes tagged with node names (PIVOTRL_NODE), each
-node with its own GPS persistent and host-tier directories (no path in common), all on 127.0.0.1."""
+node with its own GPS persistent and host-tier directories (no path in common), all on 127.0.0.1.
+
+For tests, benchmarks and trying node-local tiers without a second machine; a real multi-node cluster starts
+`dask worker` per node with PIVOTRL_NODE set (or nothing: the host name is the node)."""
 
 from __future__ import annotations
 
@@ -18,12 +21,14 @@ def node_dirs(root: Path) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def nodes_cluster(nodes: dict[str, int], threads: int = 1) -> Iterator[Any]:
+def nodes_cluster(nodes: dict[str, int], threads: int = 1, extra_env: dict[str, str] | None = None
+                  ) -> Iterator[Any]:
     """A SpecCluster with `nodes[name]` worker processes per node name (nanny-managed, so a killed worker
     process is restarted under a new address); yields the cluster."""
     from distributed import Nanny, Scheduler, SpecCluster
 
     env = {k: v for k, v in os.environ.items() if k in ("PYTHONPATH", "TORCH_EXTENSIONS_DIR")}
+    env.update(extra_env or {})
     workers = {
         f"{node}{i}": {
             "cls": Nanny,
