@@ -21,7 +21,7 @@ import contextlib
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Executor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
@@ -229,23 +229,47 @@ def pull(
     raise NotFoundError(f"{model!r} version {version}: no peer holds it")
 
 
-def commit_local(store: StoreLike, result: PullResult) -> list[str]:
-    """Write a pulled version into this node's tiers (host tier, and the persistent tier when it is a
-    node-local directory); returns the tiers it was committed in. Atomic per tier (`write_version`)."""
+@dataclass
+class Committed:
+    """Where a pulled version landed first: `tier` (None: no node tier could take it), as `manifest` (this
+    tier's copy: its own data prefix), and the slower node tiers `rest` still to fill (`replicate`)."""
+
+    tier: str | None
+    manifest: Manifest
+    backend: Backend | None = None
+    rest: list[tuple[str, Backend]] = field(default_factory=list)
+
+
+def commit_local(store: StoreLike, result: PullResult) -> Committed:
+    """Write a pulled version into this node's fastest tier (the host tier, else a node-local persistent
+    tier), atomically (`write_version`). The slower tiers are left to `replicate`, which copies the
+    committed files, so the caller may own the pulled tensors at once: nothing reads them after this."""
     man = result.manifest
     hashes = {t.name: t.xxh3 for t in man.tensors}
-    targets = []
+    targets: list[tuple[str, Backend]] = []
     if store.host is not None:
         targets.append(("host", store.host))
     if isinstance(store.persistent, LocalBackend):
         targets.append(("persistent", store.persistent))
-    done = []
-    for tier, backend in targets:
-        with contextlib.suppress(OSError):
-            winner, _ = layout.write_version(
+    for i, (tier, backend) in enumerate(targets):
+        try:
+            winner, ours = layout.write_version(
                 backend, man.model, man.version, result.tensors, store._io, chunk_bytes=store.chunk_bytes,
                 hashes=hashes, created=man.created,
-            )
-            if winner is None:
-                done.append(tier)
-    return done
+            )  # a winner that is not us (another worker of this node) committed the same bytes: fine too
+        except OSError:
+            continue
+        return Committed(tier, winner or ours, backend, targets[i + 1 :])
+    return Committed(None, man)
+
+
+def replicate(store: StoreLike, done: Committed) -> list[str]:
+    """Copy a committed version into the node's other tiers; returns those that now have it."""
+    out: list[str] = []
+    if done.backend is None:
+        return out
+    for tier, backend in done.rest:
+        with contextlib.suppress(OSError, FileNotFoundError):
+            layout.copy_version(done.backend, backend, done.manifest, store._io)
+            out.append(tier)
+    return out

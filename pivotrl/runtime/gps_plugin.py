@@ -40,7 +40,15 @@ from distributed.protocol import to_serialize
 from pivotrl.core.locality import FetchTier, FetchTimeModel, Holder, Holdings, Tier, nearest_holders
 from pivotrl.gps.errors import NotFoundError
 from pivotrl.gps.manifest import Manifest
-from pivotrl.gps.peer import PeerLost, RangeRequest, commit_local, pull, serve_manifest, serve_range
+from pivotrl.gps.peer import (
+    PeerLost,
+    RangeRequest,
+    commit_local,
+    pull,
+    replicate,
+    serve_manifest,
+    serve_range,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -276,22 +284,34 @@ class DaskPeers:
             with contextlib.suppress(Exception):
                 self._run(self.scheduler.pivotrl_gps_fill_done(**done, ok=False))
             raise
-        tiers = commit_local(store, res)
+        pulled_s = time.perf_counter() - t0
+        done_at = commit_local(store, res)
+        first = done_at.tier
         nodes = {h.worker: h.node for h in holders}
         main = max(res.served_by, key=res.served_by.__getitem__)
         ftier = FetchTier.PEER_NODE if nodes.get(main) == self.node else FetchTier.PEER_REMOTE
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception):  # releases this node's other workers waiting for the version
             self._run(self.scheduler.pivotrl_gps_fill_done(
-                **done, ok=True, tiers=tiers, nbytes=res.manifest.nbytes, seconds=time.perf_counter() - t0,
-                fetch_tier=ftier.value, served_by=res.served_by, lost=res.lost,
+                **done, ok=True, tiers=[first] if first else [], nbytes=res.manifest.nbytes,
+                seconds=pulled_s, fetch_tier=ftier.value, served_by=res.served_by, lost=res.lost,
             ))
+        if done_at.rest:  # the slower node tiers behind the fetch, from the committed copy
+            store._track(store._bg.submit(self._replicate, store, done_at))
         tensors = res.tensors if wanted is None else {n: res.tensors[n] for n in wanted}
         return tensors, res.manifest
 
+    def _replicate(self, store: Any, done: Any) -> None:
+        man = done.manifest
+        for tier in replicate(store, done):
+            self.announce_tier(man.model, man.version, man.nbytes, Tier(tier))
+
     def announce(self, model: str, version: int, nbytes: int) -> None:
+        self.announce_tier(model, version, nbytes, self.tier)
+
+    def announce_tier(self, model: str, version: int, nbytes: int, tier: Tier) -> None:
         try:
             self._run(self.scheduler.pivotrl_gps_register(
-                model=model, version=version, node=self.node, tier=self.tier.value, nbytes=nbytes
+                model=model, version=version, node=self.node, tier=tier.value, nbytes=nbytes
             ))
         except Exception:  # a lost announcement only costs a probe later
             logger.warning("pivotrl-gps: announcing %s v%s failed", model, version, exc_info=True)

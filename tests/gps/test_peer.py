@@ -8,7 +8,15 @@ import torch
 from pivotrl.gps import IntegrityError, NotFoundError, ParameterStore
 from pivotrl.gps import peer as peer_mod
 from pivotrl.gps.manifest import Manifest
-from pivotrl.gps.peer import PeerLost, RangeRequest, commit_local, pull, serve_manifest, serve_range
+from pivotrl.gps.peer import (
+    PeerLost,
+    RangeRequest,
+    commit_local,
+    pull,
+    replicate,
+    serve_manifest,
+    serve_range,
+)
 from tests.gps._util import check_versioned, versioned_state_dict
 
 
@@ -61,7 +69,11 @@ def test_pull_verifies_and_commits_into_the_node_tiers(tmp_path, small_ranges) -
     check_versioned(1, res.tensors, width=96)
     assert res.served_by["a"] == res.manifest.nbytes and res.lost == []
     assert b.versions("policy") == []  # pulled, not yet visible
-    assert commit_local(b, res) == ["host", "persistent"]
+    done = commit_local(b, res)
+    assert done.tier == "host" and [t for t, _ in done.rest] == ["persistent"]
+    assert b.versions("policy") == []  # the persistent tier is filled behind, from the host copy
+    check_versioned(1, b.fetch("policy", 1), width=96)  # (from the host tier)
+    assert replicate(b, done) == ["persistent"]
     assert b.versions("policy") == [1]
     check_versioned(1, b.fetch("policy", 1), width=96)
 
@@ -123,7 +135,7 @@ class FakePeers:
 
     def fill(self, store, model, version, wanted):
         res = pull(store, model, version, list(self.src.stores), self.src)
-        commit_local(store, res)
+        replicate(store, commit_local(store, res))
         got = res.tensors if wanted is None else {n: res.tensors[n] for n in wanted}
         return got, res.manifest
 

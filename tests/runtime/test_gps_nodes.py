@@ -31,7 +31,12 @@ def _publish(model: str, version: int) -> str:
 def _fetch(model: str, version: int) -> dict:
     store = _store()
     check_versioned(version, store.fetch(model, version), width=WIDTH)
+    store.flush()  # the node's persistent tier is filled behind the fetch
     return {"persistent": store.persistent.root, "host": store.host.root, "versions": store.versions(model)}
+
+
+def _flush() -> None:
+    _store().flush()
 
 
 def _versions(model: str) -> list[int]:
@@ -105,13 +110,17 @@ def test_peer_fetch_across_nodes_once_per_node(cluster) -> None:
     assert {"node": "a", "worker": "", "tier": "host"} in st["copies"]["policy@1"]  # announced on publish
     with concurrent.futures.ThreadPoolExecutor(2) as ex:  # both workers of node b want it at once
         got = list(ex.map(lambda w: _on(client, w, _fetch, "policy", 1), nodes["b"]))
-    assert all(g["versions"] == [1] for g in got)
+    for w in nodes["b"]:
+        _on(client, w, _flush)
+    assert all(_on(client, w, _versions, "policy") == [1] for w in nodes["b"])
+    assert len(got) == 2
     pulls = [p for p in _state(client)["pulls"] if p["model"] == "policy" and p["version"] == 1]
     assert len(pulls) == 1 and pulls[0]["ok"] and pulls[0]["node"] == "b"  # node b pulled it once
     assert set(pulls[0]["served_by"]) <= set(nodes["a"]) and pulls[0]["fetch_tier"] == "peer_remote"
-    copies = _state(client)["copies"]["policy@1"]
-    assert {"node": "b", "worker": "", "tier": "host"} in copies
-    assert {"node": "b", "worker": "", "tier": "persistent"} in copies
+    assert {"node": "b", "worker": "", "tier": "host"} in _state(client)["copies"]["policy@1"]
+    for w in nodes["b"]:
+        _on(client, w, _flush)  # the persistent tier is filled behind the fetch, from the host copy
+    assert {"node": "b", "worker": "", "tier": "persistent"} in _state(client)["copies"]["policy@1"]
 
 
 def test_unannounced_version_is_found_by_probing(cluster) -> None:
@@ -157,7 +166,9 @@ def test_holder_killed_mid_transfer_falls_back(cluster) -> None:
     got = _on(client, nodes["b"][0], _fetch, "policy", 2)
     assert 2 in got["versions"]
     pull = [p for p in _state(client)["pulls"] if p["model"] == "policy" and p["version"] == 2][-1]
-    assert pull["ok"] and first in pull["lost"] and pull["served_by"][first] == 3 * 4096
+    # it died with ranges in flight (two I/O threads): it sent at most the 3 it was allowed, then others
+    assert pull["ok"] and first in pull["lost"] and 0 < pull["served_by"].get(first, 0) <= 3 * 4096
+    assert sum(pull["served_by"].values()) == pull["nbytes"]
     client.wait_for_workers(4, timeout=120)  # the nanny restarts the killed one
 
 
