@@ -249,6 +249,11 @@ class GPSConfig(Section):
     keep_last: int = Field(
         3, ge=1, description="policy versions kept in the store besides the pinned ones (version 0)"
     )
+    node_local: bool = Field(
+        False,
+        description="each node keeps its own tiers (`{node}` in root/host_tier is the node's name: "
+        "$PIVOTRL_NODE, default the host name); a worker lacking a version pulls it from the nearest peer",
+    )
 
 
 UNREAD_FIELDS: dict[str, str] = {

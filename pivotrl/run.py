@@ -280,6 +280,7 @@ def run_pipeline(
     keep_freed_memory()  # the driver's optimizer steps and the scheduler: see pivotrl/malloc.py
     from pivotrl.runtime.cluster import open_cluster
     from pivotrl.runtime.metrics import write_metrics
+    from pivotrl.runtime.node_local import driver_peers, driver_tiers, node_local_templates
     from pivotrl.runtime.session import RuntimeSession
 
     mode = mode or cfg.scheduler.mode
@@ -304,7 +305,7 @@ def run_pipeline(
         gps_root = cfg.gps.root or str(run_dir / "gps")
         with (
             host_tier(cfg.gps.host_tier, run_id, log) as host,
-            ParameterStore(gps_root, host_tier=host, device_tier_bytes=0) as gps,
+            ParameterStore(*driver_tiers(cfg, gps_root, host), device_tier_bytes=0) as gps,
         ):
             log(f"phase: parameter store ({'version 0' if resumed is None else 'restore'})")
             owner = PolicyUpdater.load(cfg, paths["policy"], gps)
@@ -323,6 +324,8 @@ def run_pipeline(
                 "host_tier": host,
                 "device_tier_bytes": cfg.gps.device_tier_bytes,
             }
+            if cfg.gps.node_local:
+                gps_opts.update(node_local_templates(cfg, gps_root, host))
             cl = cfg.cluster
             log("phase: cluster start")
             with open_cluster(
@@ -330,7 +333,7 @@ def run_pipeline(
                 scheduler=scheduler or cl.scheduler,
                 host=cl.host,
                 dashboard_address=cl.dashboard_address,
-            ) as handle:
+            ) as handle, contextlib.ExitStack() as stack:
                 n_dev = len(handle.device_workers())
                 result.devices = n_dev
                 if handle.dashboard_link:
@@ -351,7 +354,10 @@ def run_pipeline(
                         "storage_root": os.path.abspath(cfg.run.storage_root),
                     },
                     tick_s=cfg.scheduler.tick_s,
+                    node_local_gps=cfg.gps.node_local,
                 )
+                if cfg.gps.node_local:  # the driver pulls workers' gradient sums and announces its versions
+                    stack.enter_context(driver_peers(gps, handle.client))
                 with contextlib.suppress(Exception):
                     from pivotrl.runtime.dashboard import register_dashboard
 
