@@ -280,7 +280,7 @@ def run_pipeline(
     keep_freed_memory()  # the driver's optimizer steps and the scheduler: see pivotrl/malloc.py
     from pivotrl.runtime.cluster import open_cluster
     from pivotrl.runtime.metrics import write_metrics
-    from pivotrl.runtime.node_local import driver_peers, driver_tiers, node_local_templates
+    from pivotrl.runtime.node_local import driver_peers, node_local_templates, node_local_tiers
     from pivotrl.runtime.session import RuntimeSession
 
     mode = mode or cfg.scheduler.mode
@@ -305,7 +305,8 @@ def run_pipeline(
         gps_root = cfg.gps.root or str(run_dir / "gps")
         with (
             host_tier(cfg.gps.host_tier, run_id, log) as host,
-            ParameterStore(*driver_tiers(cfg, gps_root, host), device_tier_bytes=0) as gps,
+            node_local_tiers(cfg, gps_root, host) as (driver_root, driver_host),
+            ParameterStore(driver_root, host_tier=driver_host, device_tier_bytes=0) as gps,
         ):
             log(f"phase: parameter store ({'version 0' if resumed is None else 'restore'})")
             owner = PolicyUpdater.load(cfg, paths["policy"], gps)

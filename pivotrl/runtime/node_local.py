@@ -33,14 +33,17 @@ def node_local_templates(cfg: Any, gps_root: str, host: str | None) -> dict[str,
     return {"root": _template(gps_root), "host_tier": _template(host)}
 
 
-def driver_tiers(cfg: Any, gps_root: str, host: str | None) -> tuple[str, str | None]:
-    """The driver's own tiers: its node's instance of the templates (unchanged without `node_local`)."""
+@contextlib.contextmanager
+def node_local_tiers(cfg: Any, gps_root: str, host: str | None) -> Iterator[tuple[str, str | None]]:
+    """The driver's own (root, host tier): its node's instance of the templates (unchanged without
+    `node_local`). A context manager so it sits in the run's `with` beside the host tier's lease."""
     if not cfg.gps.node_local:
-        return gps_root, host
+        yield gps_root, host
+        return
     me = node_name()
     root = node_path(_template(gps_root), me)
     assert root is not None
-    return root, node_path(_template(host), me)
+    yield root, node_path(_template(host), me)
 
 
 @contextlib.contextmanager
