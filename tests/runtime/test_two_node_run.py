@@ -39,7 +39,7 @@ def setup(tmp_path_factory):
     return cfg, boot, root
 
 
-@pytest.mark.timeout(900)  # ~40 s on an idle 2-core box (a local run, then 3 worker processes); minutes if loaded
+@pytest.mark.timeout(900)  # ~40 s on an idle 2-core box (a local run, then 3 worker processes)
 def test_quickstart_recipe_on_two_nodes_shifts_across_nodes_and_trains_correctly(setup, tmp_path,
                                                                                  monkeypatch):
     from distributed import Client
