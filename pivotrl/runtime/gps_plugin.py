@@ -117,11 +117,15 @@ class GPSRegistryPlugin(SchedulerPlugin):
         self.holdings.add(model, int(version), Holder(node, worker, Tier(tier)), nbytes)
         self._log(action="gps-register", model=model, version=version, node=node, tier=tier)
 
-    async def handle_holders(self, model: str, version: int, node: str, worker: str = "") -> dict[str, Any]:
+    async def handle_holders(self, model: str, version: int, node: str, worker: str = "",
+                             stale_local: bool = False) -> dict[str, Any]:
         """Holders for `worker` on `node` to pull from, best first; `local` when its node got the version
-        while it waited (another worker of the node pulled it)."""
+        while it waited (another worker of the node pulled it). `stale_local`: the worker found no copy
+        where the registry said its node had one; that record is dropped."""
         version = int(version)
         key = (model, version, node)
+        if stale_local:
+            self.holdings.drop(model, [version], node=node)
         fill = self._fills.get(key)
         if fill is not None and fill[0] != worker:
             with contextlib.suppress(asyncio.TimeoutError):
@@ -269,11 +273,13 @@ class DaskPeers:
     # -- PeerSource -----------------------------------------------------------------------------------
     def fill(self, store: Any, model: str, version: int, wanted: list[str] | None) -> Any:
         t0 = time.perf_counter()
-        reply = self._run(self.scheduler.pivotrl_gps_holders(
-            model=model, version=version, node=self.node, worker=self.address
-        ), timeout=self.timeout_s * 10)
+        ask = dict(model=model, version=version, node=self.node, worker=self.address)
+        reply = self._run(self.scheduler.pivotrl_gps_holders(**ask), timeout=self.timeout_s * 10)
         if reply["local"]:
-            return store._read_through(model, version, wanted, ask_peers=False)
+            try:
+                return store._read_through(model, version, wanted, ask_peers=False)
+            except NotFoundError:  # the registry's record of this node is stale: correct it, pull
+                reply = self._run(self.scheduler.pivotrl_gps_holders(**ask, stale_local=True))
         holders = [Holder.from_wire(h) for h in reply["holders"]]
         if not holders:
             raise NotFoundError(f"{model!r} version {version}: not in this node's tiers and no peer holds it")

@@ -117,10 +117,35 @@ def test_peer_fetch_across_nodes_once_per_node(cluster) -> None:
     pulls = [p for p in _state(client)["pulls"] if p["model"] == "policy" and p["version"] == 1]
     assert len(pulls) == 1 and pulls[0]["ok"] and pulls[0]["node"] == "b"  # node b pulled it once
     assert set(pulls[0]["served_by"]) <= set(nodes["a"]) and pulls[0]["fetch_tier"] == "peer_remote"
+    from pivotrl.core.locality import PRIOR_BPS, FetchTier
+
+    assert _state(client)["fetch_bps"]["peer_remote"] != PRIOR_BPS[FetchTier.PEER_REMOTE]  # measured
     assert {"node": "b", "worker": "", "tier": "host"} in _state(client)["copies"]["policy@1"]
     for w in nodes["b"]:
         _on(client, w, _flush)  # the persistent tier is filled behind the fetch, from the host copy
     assert {"node": "b", "worker": "", "tier": "persistent"} in _state(client)["copies"]["policy@1"]
+
+
+def test_a_stale_record_of_the_own_node_is_corrected(cluster) -> None:
+    """The registry says node b holds a version its tiers no longer have (deleted behind its back)."""
+    client, _ = cluster
+    nodes = workers_by_node(client)
+    _on(client, nodes["a"][0], _publish, "stale", 1)
+    _on(client, nodes["b"][0], _fetch, "stale", 1)
+
+    def delete_silently() -> None:
+        store = _store()
+        peers, store.peers = store.peers, None
+        try:
+            store._delete_versions("stale", [1])
+        finally:
+            store.peers = peers
+
+    _on(client, nodes["b"][0], delete_silently)
+    assert {"node": "b", "worker": "", "tier": "host"} in _state(client)["copies"]["stale@1"]
+    assert _on(client, nodes["b"][1], _fetch, "stale", 1)["versions"] == [1]
+    pulls = [p for p in _state(client)["pulls"] if p["model"] == "stale"]
+    assert [p["node"] for p in pulls] == ["b", "b"] and all(p["ok"] for p in pulls)
 
 
 def test_unannounced_version_is_found_by_probing(cluster) -> None:
