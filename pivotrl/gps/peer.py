@@ -18,6 +18,8 @@ ranges of a holder's chunk files; `pivotrl.runtime.gps_plugin` carries them over
 from __future__ import annotations
 
 import contextlib
+import mmap
+import os
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Executor
@@ -30,6 +32,7 @@ import torch
 from pivotrl.gps import layout
 from pivotrl.gps.backend import Backend, LocalBackend
 from pivotrl.gps.errors import IntegrityError, NotFoundError
+from pivotrl.gps.landing import Landing
 from pivotrl.gps.manifest import Manifest, version_dir
 
 #: Bytes per remote range request: large enough that per-message overhead vanishes on a fast network,
@@ -124,13 +127,28 @@ def serve_range(store: StoreLike, req: RangeRequest) -> np.ndarray | None:
     arr = man.array_map().get(req.array)
     if arr is None or arr.chunk_bytes != req.chunk_bytes or not 0 <= req.chunk < arr.nchunks:
         return None
-    out = np.empty(req.nbytes, dtype=np.uint8)
     path = backend.join(req.model, version_dir(req.version), man.data_id, req.array, "c", str(req.chunk))
     try:
+        if isinstance(backend, LocalBackend):
+            return _mapped_range(path, req.offset, req.nbytes)
+        out = np.empty(req.nbytes, dtype=np.uint8)
         backend.read_into(path, req.offset, memoryview(out))
-    except (FileNotFoundError, EOFError):
+        return out
+    except (FileNotFoundError, EOFError, ValueError):
         return None  # garbage-collected under us: the reader asks the next holder
-    return out
+
+
+def _mapped_range(path: str, offset: int, nbytes: int) -> np.ndarray:
+    """The range as a read-only view of the file's pages (no copy: the comm sends straight from the page
+    cache). Safe because chunk files are immutable: never truncated or rewritten, only unlinked, and
+    an unlinked file's pages stay valid while mapped."""
+    size = os.path.getsize(path)
+    if offset + nbytes > size:
+        raise EOFError(f"{path}: {size} bytes, range ends at {offset + nbytes}")
+    start = offset - offset % mmap.ALLOCATIONGRANULARITY
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), nbytes + offset - start, access=mmap.ACCESS_READ, offset=start)
+    return np.frombuffer(mm, dtype=np.uint8, count=nbytes, offset=offset - start)
 
 
 # ---------------------------------------------------------------------------------------------- pulling
@@ -139,9 +157,11 @@ class PeerBackend:
 
     root = PEER_ROOT
 
-    def __init__(self, source: RangeSource, holders: Sequence[str], manifest: Manifest) -> None:
+    def __init__(self, source: RangeSource, holders: Sequence[str], manifest: Manifest,
+                 landing: Landing | None = None) -> None:
         if not holders:
             raise ValueError("PeerBackend needs at least one holder")
+        self.landing = landing  # where each range is also written as it arrives
         self.source = source
         self.holders = list(holders)
         self.manifest = manifest
@@ -179,6 +199,8 @@ class PeerBackend:
                     self.dead.append(holder)
                 continue
             out[:] = view
+            if self.landing is not None:
+                self.landing.write(req.array, req.chunk, req.offset, out)
             with self._lock:
                 self.bytes_by_holder[holder] = self.bytes_by_holder.get(holder, 0) + out.nbytes
             return
@@ -190,13 +212,17 @@ class PullResult:
     manifest: Manifest
     served_by: dict[str, int]  # holder -> bytes it sent
     lost: list[str]  # holders that failed during the pull
+    landed: Manifest | None = None  # the manifest committed in `land`, when pulled with one
 
 
 def pull(
-    store: StoreLike, model: str, version: int, holders: Sequence[str], source: RangeSource
+    store: StoreLike, model: str, version: int, holders: Sequence[str], source: RangeSource,
+    land: LocalBackend | None = None,
 ) -> PullResult:
     """Pull (model, version) from `holders` (best first), verified; raises `PeerLost` / `IntegrityError` /
-    `NotFoundError` when no holder could deliver a good copy. Writes nothing."""
+    `NotFoundError` when no holder could deliver a good copy. With `land`, every range is also written
+    into that local tier as it arrives and the version is committed there once verified (`Landing`);
+    without, nothing is written."""
     lost: list[str] = []
     problems: list[str] = []
     remaining = list(holders)
@@ -209,13 +235,22 @@ def pull(
                 lost.append(remaining.pop(0))
         if man is None:
             break
-        peer = PeerBackend(source, remaining, man)
-        tensors, bad = layout.read_tensors(
-            peer, man, None, store._io, slice_bytes=PEER_RANGE_BYTES, group_bytes=PEER_RANGE_BYTES
-        )
+        landing = Landing(land, man) if land is not None else None
+        peer = PeerBackend(source, remaining, man, landing)
+        try:
+            tensors, bad = layout.read_tensors(
+                peer, man, None, store._io, slice_bytes=PEER_RANGE_BYTES, group_bytes=PEER_RANGE_BYTES
+            )
+        except BaseException:
+            if landing is not None:
+                landing.abandon()
+            raise
         lost += peer.dead
         if not bad:
-            return PullResult(tensors, man, peer.bytes_by_holder, lost)
+            landed = landing.commit() if landing is not None else None
+            return PullResult(tensors, man, peer.bytes_by_holder, lost, landed)
+        if landing is not None:
+            landing.abandon()
         # Which holder sent the bad bytes is not tracked per tensor: retry without the one that sent most.
         worst = max(peer.bytes_by_holder, key=peer.bytes_by_holder.__getitem__)
         problems.append(f"{worst}: checksum mismatch in {bad[:5]}")
@@ -238,6 +273,22 @@ class Committed:
     manifest: Manifest
     backend: Backend | None = None
     rest: list[tuple[str, Backend]] = field(default_factory=list)
+
+
+def landing_tier(store: StoreLike) -> tuple[str, LocalBackend] | None:
+    """The node tier a pull lands in as it arrives: the fastest local-directory tier."""
+    for tier, backend in store._tiers():
+        if isinstance(backend, LocalBackend):
+            return tier, backend
+    return None
+
+
+def landed(store: StoreLike, result: PullResult, tier: str) -> Committed:
+    """`Committed` for a pull that landed in `tier`: the node's other local tiers are still to fill."""
+    tiers = [(t, b) for t, b in store._tiers() if isinstance(b, LocalBackend)]
+    backend = dict(tiers)[tier]
+    assert result.landed is not None
+    return Committed(tier, result.landed, backend, [(t, b) for t, b in tiers if t != tier])
 
 
 def commit_local(store: StoreLike, result: PullResult) -> Committed:

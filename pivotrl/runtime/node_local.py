@@ -19,7 +19,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from pivotrl.core.locality import Tier
-from pivotrl.runtime.gps_plugin import DaskPeers, node_name, node_path
+from pivotrl.runtime.gps_peers import DaskPeers
+from pivotrl.runtime.gps_plugin import node_name, node_path
 
 
 def _template(path: str | None) -> str | None:

@@ -159,3 +159,38 @@ def test_store_hooks_fill_announce_forget(tmp_path) -> None:
     assert b.peers.announced == [("policy", 3)]
     b.gc("policy", keep_last=1)
     assert b.peers.forgotten == [("policy", [2])]
+
+
+def _data_prefixes(root) -> list[str]:
+    return [p.name for p in root.rglob("d-*") if p.is_dir()]
+
+
+def test_landing_writes_as_it_arrives_and_commits_once_verified(tmp_path, small_ranges) -> None:
+    import zarr
+
+    a = _holder(tmp_path, "a")
+    b = ParameterStore(tmp_path / "b" / "gps", host_tier=tmp_path / "b" / "shm", write_behind=False)
+    res = pull(b, "policy", 1, ["a"], StoreSource({"a": a}), land=b.host)
+    check_versioned(1, res.tensors, width=96)
+    assert res.landed is not None and res.landed.data_id != res.manifest.data_id
+    peer_mod.replicate(b, peer_mod.landed(b, res, "host"))
+    host_only = ParameterStore(tmp_path / "elsewhere", host_tier=tmp_path / "b" / "shm")
+    check_versioned(1, host_only.fetch("policy", 1), width=96)  # read from the landed host copy
+    check_versioned(1, b.fetch("policy", 1), width=96)
+    assert b.versions("policy") == [1]  # the persistent copy, replicated from the landed one
+    g = zarr.open_group(str(tmp_path / "b" / "shm"), mode="r")[f"policy/v000000000001/{res.landed.data_id}"]
+    for arr in res.landed.arrays:  # the landed files are valid zarr, zero padding included
+        assert g[arr.name].shape[0] * arr.itemsize == arr.nchunks * arr.chunk_bytes
+
+
+def test_landing_of_a_torn_or_corrupt_pull_leaves_nothing(tmp_path, small_ranges) -> None:
+    a1, a2 = _holder(tmp_path, "a1"), _holder(tmp_path, "a2")
+    b = ParameterStore(tmp_path / "b", write_behind=False)
+    src = StoreSource({"a1": a1, "a2": a2}, die_after={"a1": 2, "a2": 2})
+    with pytest.raises(PeerLost):
+        pull(b, "policy", 1, ["a1", "a2"], src, land=b.persistent)
+    src = StoreSource({"a1": a1})
+    src.corrupt.add("a1")
+    with pytest.raises(IntegrityError):
+        pull(b, "policy", 1, ["a1"], src, land=b.persistent)
+    assert b.versions("policy") == [] and _data_prefixes(tmp_path / "b") == []
