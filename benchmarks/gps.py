@@ -256,6 +256,7 @@ def run(quick: bool, tmp_root: str | None) -> dict:
     s3 = gps_nodes.s3_fetch(transformer_state_dict(layers=2), 3 if quick else 7, tmp_root)
     ratios["peer_fetch_vs_raw_read"] = peer["ratio"]
     ratios["s3_fetch_vs_raw_read"] = s3["ratio"]
+    print(f"peer fetch vs raw read: median {peer['ratio']:.2f}, best-vs-best {peer['ratio_best']:.2f}")
     return {
         "bytes": nbytes,
         "tensors": len(sd),
