@@ -397,7 +397,8 @@ def apply_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...]
 
 def _format_error(source: str, exc: ValidationError) -> str:
     err = exc.errors()[0]
-    field = ".".join(str(p) for p in err["loc"])
+    # a key with a newline or other control character is quoted: the error stays one line
+    field = ".".join(str(p) if str(p).isprintable() else repr(str(p)) for p in err["loc"])
     msg = err["msg"].removeprefix("Value error, ")
     named = re.match(r"\[(\w+)\] (.*)", msg)  # a section-level check naming one of its fields
     if named:
