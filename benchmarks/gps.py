@@ -19,6 +19,11 @@ a fresh numpy buffer (the allocator our fetch uses). Writes and reads run in sep
 rotated every round, with an untimed `os.sync()` before every timed call, so that background writeback of
 one contender never lands in another's timing.
 One warm-up round is excluded from the medians.
+
+`peer_fetch_vs_raw_read` (a fetch by a worker of one "node" that pulls the version from another node's
+worker over Dask's loopback TCP comms, verified and committed into its node's tier, vs a raw read of the
+same bytes) and `s3_fetch_vs_raw_read` (a fetch from a persistent tier on a local moto S3 server) come from
+`benchmarks.gps_nodes`, which says how each is measured.
 """
 
 from __future__ import annotations
@@ -243,9 +248,19 @@ def run(quick: bool, tmp_root: str | None) -> dict:
         "publish_vs_safetensors": med["safetensors_save"] / med["publish"],
         "device_hit_speedup": med["fetch"] / med["device_hit"],
     }
+    # Node-local tiers and the object store (benchmarks/gps_nodes.py): their own clusters/servers, after the
+    # main loop so they cannot disturb it.
+    from benchmarks import gps_nodes
+
+    peer = gps_nodes.peer_fetch(nbytes, 5 if quick else 11, tmp_root)
+    s3 = gps_nodes.s3_fetch(transformer_state_dict(layers=2), 3 if quick else 7, tmp_root)
+    ratios["peer_fetch_vs_raw_read"] = peer["ratio"]
+    ratios["s3_fetch_vs_raw_read"] = s3["ratio"]
     return {
         "bytes": nbytes,
         "tensors": len(sd),
+        "peer_fetch": peer,
+        "s3_fetch": s3,
         "repeats": repeats,
         "chunk_bytes": DEFAULT_CHUNK_BYTES,
         "fsync": False,
@@ -264,6 +279,7 @@ def run(quick: bool, tmp_root: str | None) -> dict:
             "fetch_vs_numpy_fromfile": med["raw_fromfile"] / med["fetch"],
             "zarr_api_read_vs_fetch": med["fetch"] / med["zarr_api_read"],
             "publish_write_behind_return_vs_publish": med["publish"] / med["publish_write_behind_return"],
+            "peer_fetch_vs_raw_read_best": peer["ratio_best"],
             # Lower-quartile times: the ratios with this machine's random stalls (see alloc_touch) cut off.
             "fetch_vs_raw_read_q1": min(q1["raw_read"], q1["raw_fromfile"]) / q1["fetch"],
             "fetch_vs_safetensors_q1": q1["safetensors_load"] / q1["fetch"],

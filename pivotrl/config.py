@@ -252,6 +252,11 @@ class GPSConfig(Section):
     keep_last: int = Field(
         3, ge=1, description="policy versions kept in the store besides the pinned ones (version 0)"
     )
+    node_local: bool = Field(
+        False,
+        description="each node keeps its own tiers (`{node}` in root/host_tier is the node's name: "
+        "$PIVOTRL_NODE, default the host name); a worker lacking a version pulls it from the nearest peer",
+    )
 
 
 UNREAD_FIELDS: dict[str, str] = {
@@ -395,7 +400,8 @@ def apply_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...]
 
 def _format_error(source: str, exc: ValidationError) -> str:
     err = exc.errors()[0]
-    field = ".".join(str(p) for p in err["loc"])
+    # a key with a newline or other control character is quoted: the error stays one line
+    field = ".".join(str(p) if str(p).isprintable() else repr(str(p)) for p in err["loc"])
     msg = err["msg"].removeprefix("Value error, ")
     named = re.match(r"\[(\w+)\] (.*)", msg)  # a section-level check naming one of its fields
     if named:

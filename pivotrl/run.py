@@ -301,6 +301,7 @@ def run_pipeline(
     keep_freed_memory()  # the driver's optimizer steps and the scheduler: see pivotrl/malloc.py
     from pivotrl.runtime.cluster import open_cluster
     from pivotrl.runtime.metrics import write_metrics
+    from pivotrl.runtime.node_local import driver_peers, node_local_templates, node_local_tiers
     from pivotrl.runtime.session import RuntimeSession
 
     mode = mode or cfg.scheduler.mode
@@ -325,7 +326,8 @@ def run_pipeline(
         gps_root = cfg.gps.root or str(run_dir / "gps")
         with (
             host_tier(cfg.gps.host_tier, run_id, log) as host,
-            ParameterStore(gps_root, host_tier=host, device_tier_bytes=0) as gps,
+            node_local_tiers(cfg, gps_root, host) as (driver_root, driver_host),
+            ParameterStore(driver_root, host_tier=driver_host, device_tier_bytes=0) as gps,
         ):
             log(f"phase: parameter store ({'version 0' if resumed is None else 'restore'})")
             sharded = cfg.train.optimizer_owner == "sharded"
@@ -346,6 +348,8 @@ def run_pipeline(
                 "host_tier": host,
                 "device_tier_bytes": cfg.gps.device_tier_bytes,
             }
+            if cfg.gps.node_local:
+                gps_opts.update(node_local_templates(cfg, gps_root, host))
             cl = cfg.cluster
             log("phase: cluster start")
             with open_cluster(
@@ -353,7 +357,7 @@ def run_pipeline(
                 scheduler=scheduler or cl.scheduler,
                 host=cl.host,
                 dashboard_address=cl.dashboard_address,
-            ) as handle:
+            ) as handle, contextlib.ExitStack() as stack:
                 n_dev = len(handle.device_workers())
                 if sharded:
                     owner = start_sharded_owner(cfg, handle.client, gps, gps_opts, paths["policy"], resumed)
@@ -377,7 +381,10 @@ def run_pipeline(
                         "storage_root": os.path.abspath(cfg.run.storage_root),
                     },
                     tick_s=cfg.scheduler.tick_s,
+                    node_local_gps=cfg.gps.node_local,
                 )
+                if cfg.gps.node_local:  # the driver pulls workers' gradient sums and announces its versions
+                    stack.enter_context(driver_peers(gps, handle.client))
                 with contextlib.suppress(Exception):
                     from pivotrl.runtime.dashboard import register_dashboard
 

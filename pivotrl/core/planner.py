@@ -91,11 +91,22 @@ def donor_penalty(rep: Replica, view: RoleView, costs: ShiftCostModel, to_role: 
                   prefill_rate: float, views: dict[Role, RoleView] | None = None) -> float:
     """φ of one replica (the scalar form of what `plan_for` computes in bulk); with `views`, the return
     trip of a device the first stage lends while it is done for the iteration (`return_trip_s`)."""
-    dur = costs.duration(rep.role, to_role)
+    dur = costs.duration(rep.role, to_role) + costs.fetch_delta(rep.devices, to_role)
     lost = dur * rep.model.rate(rep.n) * view.weight
     reprefill = view.g * rep.context / prefill_rate if prefill_rate > 0 else 0.0
     back = 0.0 if views is None else return_trip_s(views, rep.role, to_role, costs) * view.g
     return lost + reprefill + back
+
+
+def fetch_extra(state: ClusterState, pool: DonorPool, to_role: Role, costs: ShiftCostModel) -> np.ndarray:
+    """Per donor of `pool`: seconds its fetch of `to_role`'s weights takes beyond the role's mean, from
+    where the weights are (`ShiftCostModel.fetch_delta`); zeros without a locality model."""
+    if costs.locality is None:
+        return np.zeros(len(pool.ids))
+    if pool.role is None:  # free devices: ids are device addresses
+        return np.asarray([costs.fetch_delta((d,), to_role) for d in pool.ids], dtype=float)
+    reps = state.by_role[pool.role]
+    return np.asarray([costs.fetch_delta(reps[r].devices, to_role) for r in pool.ids], dtype=float)
 
 
 def return_trip_s(views: dict[Role, RoleView], role: Role | None, to_role: Role,
@@ -228,8 +239,9 @@ def plan_for(state: ClusterState, costs: ShiftCostModel, views: dict[Role, RoleV
             # G counts work over H: a shift that lasts longer than H has its benefit counted over a window
             # its devices spend mostly shifting (see docs/decisions.md#a-shift-never-outlasts-its-horizon).
             continue
-        phi = dur * pool.lost + pool.reprefill + return_trip_s(views, pool.role, u, costs) * pool.g
-        order = np.argsort(phi, kind="stable")
+        extra = fetch_extra(state, pool, u, costs)
+        phi = (dur + extra) * pool.lost + pool.reprefill + return_trip_s(views, pool.role, u, costs) * pool.g
+        order = np.lexsort((extra, phi))  # equal φ (idle donors): the one holding the weights first
         layers.append((pool, order, phi[order]))
     if not layers:
         return _Evaluation(u, vu.g, "no donor available", per_device)

@@ -4,11 +4,23 @@ A shift is abort → offload → fetch weights (from the nearest GPS tier) → l
 phase and reports them in `Controller.on_shift_done`. We keep an exponentially weighted mean of the total per
 pair (and of each phase, for the log and dashboard). A pair never measured borrows the mean of its target
 role (fetch + load dominate and depend on the model being loaded), then the configured prior.
+
+Fetch time depends on the device, not only on the pair: a device whose node (or own device tier) already
+holds a role's weights fetches them in a fraction of the time of one that pulls them across the network.
+With `locality` set (`pivotrl.core.locality.Locality`), `fetch_delta` says how much longer (or shorter) one
+device's fetch is predicted to take than the role's measured mean, and the planner adds it to that donor's
+shift duration, so φ prefers devices that already hold the weights.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
 from pivotrl.core.types import Role, ShiftTimings
+
+if TYPE_CHECKING:
+    from pivotrl.core.locality import Locality
 
 
 class ShiftCostModel:
@@ -21,6 +33,7 @@ class ShiftCostModel:
         self._to: dict[Role, float] = {}
         self.phases: dict[tuple[Role | None, Role], dict[str, float]] = {}
         self.samples: dict[tuple[Role | None, Role], int] = {}
+        self.locality: Locality | None = None
 
     def observe(self, from_role: Role | None, to_role: Role, timings: ShiftTimings) -> float:
         """Record one measured shift; returns its duration (the sum of its phases)."""
@@ -44,3 +57,22 @@ class ShiftCostModel:
             return got
         got = self._to.get(to_role)
         return self.prior_s if got is None else got
+
+    def measured_fetch_s(self, to_role: Role) -> float | None:
+        """The mean fetch phase of measured shifts into `to_role` (any source role); None if none."""
+        vals = [ph["fetch"] for (_, t), ph in self.phases.items() if t == to_role and "fetch" in ph]
+        return sum(vals) / len(vals) if vals else None
+
+    def fetch_delta(self, devices: Iterable[str], to_role: Role) -> float:
+        """Seconds a shift of these devices into `to_role` takes beyond `duration` because of where the
+        weights are: the slowest device's predicted fetch minus the role's mean (measured, else predicted).
+        0 without a locality model or when nothing is known about the role's weights."""
+        if self.locality is None:
+            return 0.0
+        preds = [self.locality.fetch_s(d, to_role) for d in devices]
+        if not preds or any(p is None for p in preds):
+            return 0.0
+        base = self.measured_fetch_s(to_role)
+        if base is None:
+            base = self.locality.mean_fetch_s(to_role) or 0.0
+        return max(p for p in preds if p is not None) - base

@@ -182,12 +182,16 @@ class FsspecBackend:
             return True
 
     def list_dir(self, path: str) -> list[str]:
+        # Object-store clients (s3fs, gcsfs) cache listings with no expiry: a reader on another node would
+        # never see a version committed after its first listing. Listings here are few and small.
+        self.fs.invalidate_cache(path)
         try:
             return [p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(path, detail=False)]
         except FileNotFoundError:
             return []
 
     def exists(self, path: str) -> bool:
+        self.fs.invalidate_cache(path)
         return self.fs.exists(path)
 
     def makedirs(self, path: str) -> None:

@@ -45,6 +45,7 @@ from pivotrl.gps.manifest import (
 
 if TYPE_CHECKING:
     from pivotrl.config import GPSConfig
+    from pivotrl.gps.peer import PeerSource
 
 VersionSpec = int | Literal["latest"]
 
@@ -163,6 +164,9 @@ class ParameterStore:
         self._pending: dict[tuple[str, int], tuple[dict[str, torch.Tensor], Manifest]] = {}
         self._lock = threading.Lock()
         self.stats = {"fallbacks": 0, "repairs": 0, "host_fills": 0}
+        # Set by the runtime (pivotrl.runtime.gps_plugin) where tiers are node-local: a version no tier
+        # here holds is pulled from a peer; publishes and gc are announced (see pivotrl.gps.peer).
+        self.peers: PeerSource | None = None
 
     @classmethod
     def from_config(
@@ -378,6 +382,8 @@ class ParameterStore:
                     hashes={t.name: t.xxh3 for t in ours.tensors},
                     created=ours.created,
                 )
+        if self.peers is not None:
+            self.peers.announce(model, version, ours.nbytes)
         return ours
 
     def _track(self, fut: Future) -> None:
@@ -463,9 +469,10 @@ class ParameterStore:
         return {n: t.clone() if copy else t for n, t in tensors.items()}
 
     def _read_through(
-        self, model: str, version: int, wanted: list[str] | None
+        self, model: str, version: int, wanted: list[str] | None, ask_peers: bool = True
     ) -> tuple[dict[str, torch.Tensor], Manifest]:
-        """Try host then persistent tier; verify checksums; fall back on corruption; fill/repair the host."""
+        """Try host then persistent tier; verify checksums; fall back on corruption; fill/repair the host;
+        then (node-local tiers) the nearest peer."""
         problems: list[str] = []
         missed: list[tuple[str, Backend]] = []
         corrupt: list[tuple[str, Backend]] = []
@@ -505,6 +512,8 @@ class ParameterStore:
             raise IntegrityError(
                 f"{model!r} version {version} is corrupt in every tier: " + "; ".join(problems)
             )
+        if ask_peers and self.peers is not None:
+            return self.peers.fill(self, model, version, wanted)
         raise self._missing(model, version)
 
     def _repair_faster_tiers(self, man: Manifest, good: Backend, corrupt: list, missed: list) -> None:
@@ -575,6 +584,8 @@ class ParameterStore:
             for _, backend in reversed(self._tiers()):
                 self._retire(backend, model, v)
         self.sweep(model)
+        if doomed and self.peers is not None:
+            self.peers.forget(model, doomed)
         return doomed
 
     def _retire(self, backend: Backend, model: str, version: int) -> None:

@@ -93,6 +93,9 @@ class PivotSchedulerPlugin(SchedulerPlugin):
         self._exporter = prometheus.register(self.orch)  # pivotrl_* on the dashboard's /metrics
         for addr, ws in scheduler.workers.items():
             self.orch.join(addr, str(ws.name), self.now())
+        from pivotrl.runtime.gps_plugin import attach_locality
+
+        attach_locality(scheduler)  # node-local GPS tiers (when that plugin runs): φ sees where weights are
         self.tick()
         self._task = asyncio.create_task(self._ticker())
 

@@ -30,14 +30,25 @@ class RuntimeSession:
         worker_options: dict[str, Any] | None = None,
         tick_s: float = 0.25,
         sample_s: float = 0.5,
+        node_local_gps: bool = False,
     ) -> RuntimeSession:
         """Register the scheduler extension (hosting core's `controller`) and the role host on every
-        worker."""
+        worker; with `node_local_gps`, first the GPS holder registry and each worker's node-local store
+        with peer fetch (`pivotrl.runtime.gps_plugin`), which the role hosts then use."""
         session = uuid.uuid4().hex[:12]
+        opts = dict(worker_options or {})
+        if node_local_gps:
+            from pivotrl.runtime.gps_plugin import GPSRegistryPlugin, GPSWorkerPlugin
+
+            client.register_plugin(GPSRegistryPlugin())
+            client.register_plugin(GPSWorkerPlugin(
+                gps=opts.get("gps"), storage_root=opts.get("storage_root", "storage"),
+                device=opts.get("device", "cpu"),
+            ))
         client.register_plugin(
             PivotSchedulerPlugin(controller, role_specs, tick_s=tick_s, sample_s=sample_s, session=session)
         )
-        client.register_plugin(PivotWorkerPlugin(**(worker_options or {}), session=session))
+        client.register_plugin(PivotWorkerPlugin(**opts, session=session))
         return cls(client)
 
     def _call(self, name: str, **kwargs: Any) -> Any:
@@ -62,6 +73,10 @@ class RuntimeSession:
     def learned(self) -> dict[str, Any]:
         """Core's learned state (`pivotrl.core.learned.LearnedState.to_json`), for a run checkpoint."""
         return self._call("pivotrl_learned")
+
+    def gps_state(self) -> dict[str, Any]:
+        """The GPS holder registry (node-local tiers): nodes, copies, peer pulls, fetch bandwidths."""
+        return self._call("pivotrl_gps_state")
 
     def shift(self, worker: str, role: str | None) -> str:
         return self._call("pivotrl_shift", worker=worker, role=role)

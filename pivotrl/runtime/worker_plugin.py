@@ -79,6 +79,9 @@ class PivotWorkerPlugin(WorkerPlugin):
             self.pinned = pin_process_to_core(core)
         device = "cuda:0" if self.device == "cuda" else self.device  # dask-cuda: this worker's GPU is first
         env = WorkerEnv(device, self.gps_options, self.storage_root, name=str(worker.name))
+        gps = getattr(worker, "plugins", {}).get("pivotrl-gps")
+        if gps is not None:  # node-local tiers with peer fetch (pivotrl.runtime.gps_plugin): share its store
+            env._gps = gps.store
         park = self.park_contexts if self.park_contexts is not None else True
         self.host = RoleHost(env, self._send_sync, worker=worker.address, session=self.session, park=park,
                              **self.host_options)
