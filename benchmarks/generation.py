@@ -26,7 +26,10 @@ computes log-probs in fp32 from the bf16 logits.
 
 Our engine runs its own compact model with weights packed once on CPU (its native matmul, or oneDNN's;
 recorded as ``ours_packed_weights``) and its native fused decode kernels where they build (recorded as
-``ours_native_kernels``; ``PIVOTRL_NATIVE_KERNELS=0`` measures the oneDNN and torch-ops path);
+``ours_native_kernels``; ``PIVOTRL_NATIVE_KERNELS=0`` measures the oneDNN and torch-ops path), on the
+instruction-set path recorded as ``isa`` (``PIVOTRL_KERNEL_ISA=avx2`` measures the AVX2 path on an AVX-512
+CPU; with ``ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2`` torch and oneDNN, on both sides, are held to
+AVX2 as well, which stands in for an AVX2-only CPU);
 transformers runs its stock modules (SDPA attention).
 
 Timing: both wall-clock and process CPU time are recorded for every run. The headline ratios use CPU time:
@@ -41,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -49,12 +53,14 @@ from pathlib import Path
 
 import torch
 
+from pivotrl.engines import kernels
 from pivotrl.engines.checkpoints import PAD_ID, build_tokenizer, create_model, from_pretrained
 from pivotrl.engines.generation import GenerationEngine, GenRequest, SamplingParams
 from pivotrl.engines.model import CausalLM, num_parameters
 from pivotrl.tasks import get_task
 
 LENGTH_CAP = 512
+ISA_ENV = ("PIVOTRL_KERNEL_ISA", "ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")
 Timing = tuple[float, float]  # (wall seconds, process CPU seconds)
 
 
@@ -164,7 +170,11 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def native_bf16() -> bool:
-    """Whether this CPU computes bf16 natively (avx512_bf16 / AMX), as oneDNN reports it."""
+    """Whether this CPU computes bf16 natively (avx512_bf16 / AMX), as oneDNN reports it. Not with the
+    kernels forced below AVX-512 (``PIVOTRL_KERNEL_ISA=avx2|scalar``): that stands in for a CPU without
+    AVX-512, hence without either."""
+    if kernels.isa() in ("avx2", "scalar"):
+        return False
     mkldnn = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported")
     return bool(mkldnn and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
@@ -306,6 +316,11 @@ def main(argv: list[str] | None = None) -> int:
         "greedy_token_agreement": agreement,
         "ours_packed_weights": probe.packed,
         "ours_native_kernels": probe.native_kernels,
+        # the kernels' instruction-set path (PIVOTRL_KERNEL_ISA forces one; "torch": no native kernels), and
+        # what torch and oneDNN were limited to, for a run standing in for a smaller CPU
+        "isa": kernels.isa() if probe.native_kernels else "torch",
+        "isa_env": {k: os.environ.get(k) for k in ISA_ENV},
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "hf_attn_implementation": str(hf.config._attn_implementation),
         "longtail": {
             "n": len(tail_lengths),

@@ -24,7 +24,7 @@ import os
 import random
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from pivotrl.config import PipelineConfig, SFTConfig, add_override_argument, load_config
 from pivotrl.engines.genrm import JudgeTemplate
+from pivotrl.engines.sft_progress import Board, reporter
 from pivotrl.errors import UserError
 from pivotrl.tasks import Problem, Task, get_task, normalize
 
@@ -155,6 +156,33 @@ def encode_pairs(tokenizer, pairs: Sequence[Pair]) -> list[tuple[list[int], list
     return [(list(p), [*t, eos]) for p, t in zip(prompts, targets, strict=True)]
 
 
+@dataclass(frozen=True)
+class Tokenised:
+    """SFT examples as two tensors built once: ``ids`` [N, width] (prompt + target, padded) and ``labels``
+    (the target's ids where the loss counts, -100 elsewhere), with each example's length.
+
+    Why: building every micro-batch from Python lists cost a `torch.tensor` call per example per step;
+    slicing rows of one tensor costs one index per micro-batch."""
+
+    ids: torch.Tensor
+    labels: torch.Tensor
+    lengths: torch.Tensor  # prompt + target tokens of each example
+    targets: torch.Tensor  # target tokens of each example
+
+    @classmethod
+    def build(cls, data: Sequence[tuple[list[int], list[int]]], pad_id: int) -> Tokenised:
+        lengths = [len(p) + len(t) for p, t in data]
+        ids = torch.full((len(data), max(lengths, default=1)), pad_id, dtype=torch.long)
+        labels = torch.full_like(ids, -100)
+        for row, (p, t) in enumerate(data):
+            ids[row, : len(p) + len(t)] = torch.tensor(p + t)
+            labels[row, len(p) : len(p) + len(t)] = torch.tensor(t)
+        return cls(ids, labels, torch.tensor(lengths), torch.tensor([len(t) for _, t in data]))
+
+
+Progress = Callable[[int, int, float], None]  # (steps done, steps in all, latest step's loss)
+
+
 def sft(
     model: torch.nn.Module,
     data: Sequence[tuple[list[int], list[int]]],
@@ -166,45 +194,45 @@ def sft(
     pad_id: int,
     warmup: int = 20,
     chunks: int = 4,
+    progress: Progress | None = None,
 ) -> list[float]:
     """Teacher-forced cross-entropy on target tokens only; AdamW, warmup + cosine decay. Returns losses.
 
     Each batch is sorted by length and run as ``chunks`` micro-batches, each padded only to its own longest
     example, with gradients accumulated: the loss is the same token mean over the whole batch, but the
     padding a log-normal length distribution forces on one dense batch is not computed (about half of the
-    judge's tokens would be padding).
+    judge's tokens would be padding). The examples are tokenised into tensors once (`Tokenised`) and the
+    optimizer is torch's fused AdamW where it exists (one kernel over all parameters instead of a loop of
+    small ops per parameter; see docs/decisions.md#the-bootstrap-trains-in-fewer-larger-steps).
+    ``progress`` is called after every step.
     """
     gen = random.Random(f"sft:{seed}")
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
+    table = Tokenised.build(data, pad_id)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01, **_fused())
     losses = []
     model.train()
     for step in range(steps):
         scale = min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * step / max(steps, 1)))
         for group in opt.param_groups:
             group["lr"] = lr * max(scale, 0.05)
-        batch = sorted(
-            (data[gen.randrange(len(data))] for _ in range(batch_size)), key=lambda x: len(x[0]) + len(x[1])
-        )
-        total_targets = sum(len(t) for _, t in batch)
+        rows = torch.tensor([gen.randrange(len(data)) for _ in range(batch_size)])
+        rows = rows[torch.sort(table.lengths[rows], stable=True).indices]
+        total_targets = int(table.targets[rows].sum())
         opt.zero_grad(set_to_none=True)
         step_loss = 0.0
         k = max(1, min(chunks, batch_size))
         bounds = [round(i * batch_size / k) for i in range(k + 1)]
         for a, b in itertools.pairwise(bounds):
-            part = batch[a:b]
-            if not part:
+            part = rows[a:b]
+            if len(part) == 0:
                 continue
-            width = max(len(p) + len(t) for p, t in part)
-            ids = torch.full((len(part), width), pad_id, dtype=torch.long)
-            labels = torch.full((len(part), width), -100, dtype=torch.long)
-            for row, (p, t) in enumerate(part):
-                ids[row, : len(p) + len(t)] = torch.tensor(p + t)
-                labels[row, len(p) : len(p) + len(t)] = torch.tensor(t)
+            width = int(table.lengths[part].max())
+            ids, labels = table.ids[part, :width], table.labels[part, 1:width]
             logits = model(ids)[:, :-1]
             loss = (
                 F.cross_entropy(
                     logits.reshape(-1, logits.shape[-1]),
-                    labels[:, 1:].reshape(-1),
+                    labels.reshape(-1),
                     ignore_index=-100,
                     reduction="sum",
                 )
@@ -215,8 +243,17 @@ def sft(
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         losses.append(step_loss)
+        if progress is not None:
+            progress(step + 1, steps, step_loss)
     model.eval()
     return losses
+
+
+def _fused() -> dict[str, bool]:
+    """``fused=True`` where this torch has a fused AdamW for CPU tensors (torch >= 2.4), else nothing."""
+    import inspect
+
+    return {"fused": True} if "fused" in inspect.signature(torch.optim.AdamW).parameters else {}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -224,7 +261,8 @@ def sft(
 # ----------------------------------------------------------------------------------------------------
 
 ROLES = ("policy", "genrm")
-FORMAT_VERSION = 4  # bump when data construction or SFT batching changes, so cached models are rebuilt
+FORMAT_VERSION = 5  # bump when data construction or SFT batching changes, so cached models are rebuilt
+# 5: pre-tokenised batches and fused AdamW (its rounding differs from the per-parameter loop)
 
 
 @dataclass
@@ -271,8 +309,11 @@ def _data_seed(sft: SFTConfig, role: str) -> int:
     return int(hashlib.blake2b(f"{role}:{sft.seed}".encode(), digest_size=4).hexdigest(), 16)
 
 
-def train_role(cfg: PipelineConfig, role: str, out_dir: str | Path, threads: int = 1) -> dict[str, Any]:
-    """Train one bootstrap model from scratch and save it (HF format, version 0) to ``out_dir``."""
+def train_role(
+    cfg: PipelineConfig, role: str, out_dir: str | Path, threads: int = 1, progress: Progress | None = None
+) -> dict[str, Any]:
+    """Train one bootstrap model from scratch and save it (HF format, version 0) to ``out_dir``;
+    ``progress`` gets every step (`sft`)."""
     from pivotrl.engines.checkpoints import build_tokenizer, save_hf
     from pivotrl.malloc import keep_freed_memory
 
@@ -315,6 +356,7 @@ def train_role(cfg: PipelineConfig, role: str, out_dir: str | Path, threads: int
         lr=sft_cfg.lr,
         seed=sft_cfg.seed,
         pad_id=tokenizer.pad_token_id,
+        progress=progress,
     )
     out = Path(out_dir)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
@@ -334,18 +376,33 @@ def train_role(cfg: PipelineConfig, role: str, out_dir: str | Path, threads: int
     return stats
 
 
+_progress_queue: Any = None  # a worker process's queue to the parent's progress board (`_init_worker`)
+
+
+def _init_worker(queue: Any) -> None:
+    global _progress_queue
+    _progress_queue = queue
+
+
 def _train_role_entry(args: tuple[dict[str, Any], str, str]) -> dict[str, Any]:
     cfg_data, role, out = args
-    return train_role(PipelineConfig.model_validate(cfg_data), role, out, threads=1)
+    progress = reporter(_progress_queue.put, role) if _progress_queue is not None else None
+    return train_role(PipelineConfig.model_validate(cfg_data), role, out, threads=1, progress=progress)
 
 
 def ensure_bootstrap(
-    cfg: PipelineConfig, *, force: bool = False, parallel: bool = True, log=print
+    cfg: PipelineConfig,
+    *,
+    force: bool = False,
+    parallel: bool = True,
+    log=print,
+    board: Board | None = None,
 ) -> BootstrapResult:
     """Return the cached version-0 policy and judge, training whichever is missing.
 
     With ``parallel`` the two models train at once in two processes of one thread each: the bootstrap is
-    two independent jobs, and this is how it uses both cores of a small machine.
+    two independent jobs, and this is how it uses both cores of a small machine. Progress (steps, loss,
+    ETA per model) is drawn on stderr by a `sft_progress.Board` (``board``; a default one when None).
     """
     t0 = time.perf_counter()
     dirs = {role: model_dir(cfg, role) for role in ROLES}
@@ -353,16 +410,18 @@ def ensure_bootstrap(
     stats: dict[str, Any] = {}
     if todo:
         log(f"bootstrap: training {', '.join(todo)} (cache: {dirs[todo[0]].parent})")
+        board = board if board is not None else Board(todo)
         jobs = [(cfg.model_dump(), r, str(dirs[r])) for r in todo]
         if "policy" in todo and cfg.reward.sft.init == "policy":
             parallel = False  # the judge starts from the policy: one after the other
         if parallel and len(jobs) > 1:
-            import multiprocessing as mp
-
-            with mp.get_context("spawn").Pool(len(jobs)) as pool:
-                results = pool.map(_train_role_entry, jobs)
+            results = _train_in_processes(jobs, board)
         else:
-            results = [_train_role_entry(j) for j in jobs]
+            results = []
+            for cfg_data, role, out in jobs:
+                progress = reporter(lambda u: board.update(*u), role)
+                model_cfg = PipelineConfig.model_validate(cfg_data)
+                results.append(train_role(model_cfg, role, out, progress=progress))
         for r in results:
             stats[r["role"]] = r
             log(
@@ -373,6 +432,29 @@ def ensure_bootstrap(
         if role not in stats:
             stats[role] = json.loads((dirs[role] / "bootstrap.json").read_text())
     return BootstrapResult(dirs["policy"], dirs["genrm"], time.perf_counter() - t0, todo, stats)
+
+
+def _train_in_processes(jobs: list[tuple[dict[str, Any], str, str]], board: Board) -> list[dict[str, Any]]:
+    """Each job in its own spawned process; their progress reports are drawn on `board` as they come."""
+    import multiprocessing as mp
+    import queue as queue_mod
+
+    ctx = mp.get_context("spawn")
+    updates = ctx.Queue()
+    with ctx.Pool(len(jobs), initializer=_init_worker, initargs=(updates,)) as pool:
+        pending = pool.map_async(_train_role_entry, jobs)
+        while True:
+            try:
+                board.update(*updates.get(timeout=0.2))
+            except queue_mod.Empty:
+                if pending.ready():
+                    break
+        while True:  # what was sent just before the workers finished
+            try:
+                board.update(*updates.get_nowait())
+            except queue_mod.Empty:
+                break
+        return pending.get()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -43,3 +43,24 @@ def fake_vllm(monkeypatch):
     vllm.FAKE_DEVICE = None
     vllm.LIVE_ENGINES.clear()
     drop_vllm_modules()
+
+
+def _native():
+    from pivotrl.engines import kernels
+
+    return kernels.native()
+
+
+@pytest.fixture(params=["avx512", "avx2", "scalar"])
+def kernel_isa(request):
+    """Each instruction-set path of the native kernels in turn (`kernels.py`), skipped only where this CPU
+    lacks it (or the kernels do not build); the module's own path is restored afterwards."""
+    native = _native()
+    if native is None:
+        pytest.skip("native kernels do not build here")
+    if request.param not in native.supported_isas():
+        pytest.skip(f"this CPU has no {request.param}")
+    before = native.isa()
+    native.set_isa(request.param)
+    yield request.param
+    native.set_isa(before)

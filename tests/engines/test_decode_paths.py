@@ -48,10 +48,15 @@ def _spread_model(seed: int, dtype=torch.float32) -> CausalLM:
     return model
 
 
-@pytest.mark.parametrize("native", [False, True], ids=["torch", "native"])
-def test_packed_prefill_then_decode_match_full_forward(native):
-    if native and NATIVE is None:
-        pytest.skip("native kernels do not build here")
+def test_packed_prefill_then_decode_match_full_forward_torch_ops():
+    _prefill_then_decode_match_full_forward(native=False)
+
+
+def test_packed_prefill_then_decode_match_full_forward_on_every_isa(kernel_isa):
+    _prefill_then_decode_match_full_forward(native=True)
+
+
+def _prefill_then_decode_match_full_forward(native: bool) -> None:
     model = _spread_model(1)
     model.native = NATIVE if native else None
     ids = torch.randint(4, model.config.vocab_size, (3, 24), generator=torch.Generator().manual_seed(1))
@@ -71,7 +76,7 @@ def test_packed_prefill_then_decode_match_full_forward(native):
 
 @needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_native_decode_equals_torch_decode_and_stores_the_same_cache(dtype):
+def test_native_decode_equals_torch_decode_and_stores_the_same_cache(dtype, kernel_isa):
     ids = torch.randint(4, 100, (4, 30), generator=torch.Generator().manual_seed(2))
     lens = [20, 7, 11, 1]
     runs = {}
@@ -101,12 +106,13 @@ def test_native_decode_equals_torch_decode_and_stores_the_same_cache(dtype):
 
 
 @needs_native
-def test_native_norm_and_swiglu_follow_the_reference_formulas():
+@pytest.mark.parametrize("dim", [64, 40], ids=["dim64", "dim40"])  # 40: AVX2 vectors, scalar on AVX-512
+def test_native_norm_and_swiglu_follow_the_reference_formulas(kernel_isa, dim):
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(5, 64, generator=gen) * 3
-    delta = torch.randn(5, 64, generator=gen)
-    w = torch.rand(64, generator=gen) + 0.5
-    gate_up = torch.randn(5, 96, generator=gen) * 4
+    x = torch.randn(5, dim, generator=gen) * 3
+    delta = torch.randn(5, dim, generator=gen)
+    w = torch.rand(dim, generator=gen) + 0.5
+    gate_up = torch.randn(5, 2 * dim + 6, generator=gen) * 4  # an inner size with a tail on every path
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
         xs, ds, ws, gs = (t.to(dtype) for t in (x, delta, w, gate_up))
         summed = xs + ds
@@ -129,7 +135,7 @@ def test_native_norm_and_swiglu_follow_the_reference_formulas():
 
 
 @needs_native
-def test_engine_with_and_without_native_kernels_generates_the_same(debug_model_dir):
+def test_engine_with_and_without_native_kernels_generates_the_same(debug_model_dir, kernel_isa):
     prompts = _prompts(6, seed=3)
     runs = []
     for native in (True, False):
@@ -169,10 +175,15 @@ def test_bf16_greedy_matches_fp32_on_most_positions(debug_model_dir):
         assert all(lp <= 0.0 for lp in r.logprobs) and isinstance(r.logprobs[0], float)
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
-def test_bf16_abort_then_resume_on_another_engine_is_identical(debug_model_dir, native):
-    if native and NATIVE is None:
-        pytest.skip("native kernels do not build here")
+def test_bf16_abort_then_resume_on_another_engine_is_identical_torch_ops(debug_model_dir):
+    _bf16_abort_then_resume_is_identical(debug_model_dir, native=False)
+
+
+def test_bf16_abort_then_resume_on_another_engine_is_identical_on_every_isa(debug_model_dir, kernel_isa):
+    _bf16_abort_then_resume_is_identical(debug_model_dir, native=True)
+
+
+def _bf16_abort_then_resume_is_identical(debug_model_dir, native: bool) -> None:
 
     def engine(max_batch):
         return GenerationEngine(
@@ -214,3 +225,40 @@ def test_native_kernels_switched_off_fall_back_to_torch_ops(monkeypatch, debug_m
     assert engine.native_kernels is False and engine.model.native is None
     out = engine.generate(_reqs(_prompts(2, seed=5)))
     assert [len(r.generated_ids) for r in out] == [40, 40]
+
+
+def test_decode_on_every_isa_equals_transformers(kernel_isa):
+    """Prefill then decode steps through the native kernels of each path give transformers' logits
+    (<= 1e-4, fp32) at every position."""
+    from transformers import Qwen2ForCausalLM
+
+    model = _spread_model(3)
+    model.native = NATIVE
+    hf = Qwen2ForCausalLM(model.config).eval()
+    hf.load_state_dict(model.state_dict())
+    ids = torch.randint(4, model.config.vocab_size, (3, 40), generator=torch.Generator().manual_seed(3))
+    lens = [17, 3, 30]
+    cache = KVSlots(model.config, slots=3, max_len=48, device="cpu", dtype=torch.float32)
+    with torch.no_grad():
+        expected = hf(input_ids=ids).logits
+        assert expected.abs().max() > 1.0
+        first = model.prefill_packed([ids[i, :n].tolist() for i, n in enumerate(lens)], cache, slot0=0)
+        for i, n in enumerate(lens):
+            assert _close(first[i], expected[i, n - 1])
+        pos = torch.tensor(lens)
+        for _ in range(9):
+            got = model.decode(ids[torch.arange(3), pos], pos, cache)
+            assert _close(got, expected[torch.arange(3), pos])
+            pos = pos + 1
+
+
+def test_forcing_an_isa_the_cpu_lacks_is_an_error(monkeypatch):
+    monkeypatch.setenv("PIVOTRL_KERNEL_ISA", "avx3000")
+    with pytest.raises(ValueError, match="PIVOTRL_KERNEL_ISA"):
+        kernels.requested_isa()
+    if NATIVE is not None:
+        missing = [i for i in kernels.ISAS if i not in NATIVE.supported_isas()]
+        for name in missing:
+            with pytest.raises(RuntimeError, match="this CPU runs only"):
+                NATIVE.set_isa(name)
+        assert NATIVE.supported_isas()[-1] == "scalar"

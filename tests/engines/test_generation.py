@@ -45,7 +45,7 @@ def _reqs(prompts, sampling=GREEDY, prefix="s"):
     [GREEDY, SamplingParams(temperature=0.9, top_p=0.9, max_new_tokens=40, stop_ids=(), seed=11)],
     ids=["greedy", "sampled"],
 )
-def test_abort_then_resume_on_another_engine_is_identical(model, sampling):
+def test_abort_then_resume_on_another_engine_is_identical(model, sampling, kernel_isa):
     prompts = _prompts(6, seed=1)
     reference = _engine(model).generate(_reqs(prompts, sampling))
 

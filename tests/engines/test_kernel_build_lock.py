@@ -16,15 +16,17 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.slow
 def test_a_stale_build_lock_is_removed_and_the_build_completes(tmp_path):
     ext = tmp_path / "ext"
-    lock = ext / "py311_cpu" / "pivotrl_decode_attention" / "lock"
     code = (
         "from torch.utils.cpp_extension import _get_build_directory as d; from pathlib import Path; "
-        "p = Path(d('pivotrl_decode_attention', False)); p.mkdir(parents=True, exist_ok=True); "
+        "from pivotrl.engines.kernels import _build_name; "
+        "p = Path(d(_build_name(), False)); p.mkdir(parents=True, exist_ok=True); "
         "(p / 'lock').touch(); print(p / 'lock')\n"
     )
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(ext)}
-    lock = Path(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                               check=True).stdout.strip())
+    made = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=True
+    )
+    lock = Path(made.stdout.strip())
     assert lock.exists()  # what a killed build leaves behind
     build = "from pivotrl.engines import kernels; print(kernels.native() is not None)"
     p = subprocess.run([sys.executable, "-c", build], cwd=ROOT, env=env, capture_output=True, text=True,
