@@ -84,7 +84,13 @@ def write_shard(store: Any, target: ShardTarget, shard: int, tensors: Mapping[st
         "tensors": [[n, d, list(s), f"{a}.s{shard}", o, nb, hashes[n]] for n, d, s, a, o, nb, _ in rows],
         "arrays": [a.__dict__ for a in arrays],
     }
-    backend.write_small(layout._jp(dpath, f"part-{shard}.json"), json.dumps(record).encode())
+    # The record appears whole or not at all (committers poll for it from other processes): a plain write
+    # exposed an empty file to `wait_parts`, and the committer read it mid-write.
+    part, data = layout._jp(dpath, f"part-{shard}.json"), json.dumps(record).encode()
+    if not backend.create_exclusive(part, data):  # left by an earlier attempt at this version: replace it
+        backend.remove_file(part)
+        if not backend.create_exclusive(part, data):
+            raise RuntimeError(f"{part}: another writer wrote this shard's record at the same time")
 
 
 def wait_parts(store: Any, target: ShardTarget, timeout_s: float) -> None:
