@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import random
 import shutil
@@ -28,6 +29,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -55,10 +57,15 @@ scheduler: {{mode: shiftable, tick_s: 0.1}}
     return cfg
 
 
+ITERATIONS_PHASE = "phase: iterations"
+
+
 def submit(cfg: Path, resume: bool, kill_at: str | None, kill_after_s: float | None,
-           workers: int = 1) -> tuple[int, str, str]:
-    """One `submit` process; killed at a fault point (`kill_at`) or `kill_after_s` after it starts.
-    Returns its exit status, stdout and stderr."""
+           workers: int = 1) -> tuple[int, str, str, float]:
+    """One `submit` process; killed at a fault point (`kill_at`) or `kill_after_s` after it starts its
+    iterations (the "phase: iterations" line: start-up time varies with the machine and the worker count,
+    so a kill timed from the process start can land after a short run has already finished). Returns its
+    exit status, stdout, stderr and the seconds from that line to the process's end."""
     cmd = [sys.executable, "-m", "pivotrl.cli", "submit", str(cfg), "--workers", str(workers), "--quiet",
            "--no-eval"]
     if resume:
@@ -69,16 +76,38 @@ def submit(cfg: Path, resume: bool, kill_at: str | None, kill_after_s: float | N
         env["PIVOTRL_KILL_AT"] = kill_at
     pipe = subprocess.PIPE
     p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=pipe, stderr=pipe, text=True, start_new_session=True)
+    out_lines: list[str] = []
+    err_lines: list[str] = []
+    started = threading.Event()
+    t_iter = [math.inf]
+
+    def pump_out() -> None:
+        for line in p.stdout:
+            out_lines.append(line)
+            if line.startswith(ITERATIONS_PHASE) and not started.is_set():
+                t_iter[0] = time.monotonic()
+                started.set()
+
+    readers = [threading.Thread(target=pump_out, daemon=True),
+               threading.Thread(target=lambda: err_lines.extend(p.stderr), daemon=True)]
+    for r in readers:
+        r.start()
     if kill_after_s is not None:
+        while not started.wait(0.05) and p.poll() is None:
+            pass
         try:
             p.wait(timeout=kill_after_s)
         except subprocess.TimeoutExpired:
             os.killpg(p.pid, signal.SIGKILL)  # the driver and its local cluster, as a crash would
-    out, err = p.communicate(timeout=900)
+    p.wait(timeout=900)
+    t_end = time.monotonic()
+    for r in readers:
+        r.join(timeout=60)
+    out, err = "".join(out_lines), "".join(err_lines)
     if p.returncode == -signal.SIGKILL:
         with contextlib.suppress(ProcessLookupError):  # a killed driver's workers may outlive it
             os.killpg(p.pid, signal.SIGKILL)
-    return p.returncode, out, err
+    return p.returncode, out, err, max(0.0, t_end - t_iter[0]) if t_iter[0] < math.inf else 0.0
 
 
 def final_run(storage: Path) -> Path:
@@ -115,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     create_model("debug", root / "models" / "judge", seed=2)
     t0 = time.monotonic()
     ref_cfg = write_config(root, root / "uninterrupted", iterations)
-    rc, out, err = submit(ref_cfg, resume=False, kill_at=None, kill_after_s=None, workers=args.workers)
+    rc, out, err, iterations_s = submit(ref_cfg, resume=False, kill_at=None, kill_after_s=None,
+                                        workers=args.workers)
     if rc != 0:
         print(out[-2000:], err[-2000:])
         raise SystemExit(f"the uninterrupted run failed (exit {rc})")
@@ -123,13 +153,14 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg = write_config(root, root / "interrupted", iterations)
     # the wall-clock kills come right after the first (fault-point) kill, while most iterations are left,
-    # so a kill at 15-50 % of the uninterrupted run's wall time lands inside the resumed run's work
+    # so a kill at 15-40 % of the uninterrupted run's iteration time, counted from the resumed run's first
+    # iteration, lands inside its work
     plan: list[tuple[str | None, float | None]] = [(POINTS[0], None)]
-    plan += [(None, rng.uniform(0.15, 0.5) * uninterrupted_s) for _ in range(wall_kills)]
+    plan += [(None, rng.uniform(0.15, 0.4) * iterations_s) for _ in range(wall_kills)]
     plan += [(p, None) for p in POINTS[1:]]
     kills, resumes_ok, overheads, log = 0, True, [], []
     for i, (point, after) in enumerate(plan):
-        rc, out, err = submit(cfg, resume=i > 0, kill_at=point, kill_after_s=after, workers=args.workers)
+        rc, out, err, _ = submit(cfg, resume=i > 0, kill_at=point, kill_after_s=after, workers=args.workers)
         kills += rc == -signal.SIGKILL
         first = out.splitlines()[0] if out else ""
         if i > 0 and out and not first.startswith("resuming run"):  # (a kill may come before any output)
@@ -141,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
             print(out[-2000:], err[-2000:])
             resumes_ok = False
             break
-    rc, out, err = submit(cfg, resume=True, kill_at=None, kill_after_s=None, workers=args.workers)
+    rc, out, err, _ = submit(cfg, resume=True, kill_at=None, kill_after_s=None, workers=args.workers)
     first = out.splitlines()[0] if out else ""
     if rc != 0:
         print(out[-2000:], err[-2000:])
