@@ -300,7 +300,7 @@ def run_pipeline(
 
     keep_freed_memory()  # the driver's optimizer steps and the scheduler: see pivotrl/malloc.py
     from pivotrl.runtime.cluster import open_cluster
-    from pivotrl.runtime.metrics import write_metrics
+    from pivotrl.runtime.metrics import persisted, write_metrics
     from pivotrl.runtime.node_local import driver_peers, node_local_templates, node_local_tiers
     from pivotrl.runtime.session import RuntimeSession
 
@@ -415,7 +415,8 @@ def run_pipeline(
                     """Checkpoint after every iteration, then the caller's hook."""
                     result.iterations.append(row)
                     ckpt = checkpoint.RunCheckpoint(
-                        run_id, res.iteration + 1, owner.version, cfg_json, result.iterations, result.curve,
+                        run_id, res.iteration + 1, owner.version, cfg_json,
+                        [persisted(r) for r in result.iterations], result.curve,
                         result.eval, learned=session.learned(),
                     )
                     checkpoint.commit(run_dir, ckpt, owner, gps, pinned[0])

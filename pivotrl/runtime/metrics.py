@@ -211,6 +211,15 @@ class IterationMeter:
         return f"iteration {row['iteration']}: {self.postfix(row)} ({row['seconds']:.1f}s)"
 
 
+IN_MEMORY_ONLY = ("lengths",)  # per-sample lists: O(samples) per row, for in-process analysis only
+
+
+def persisted(row: dict[str, Any]) -> dict[str, Any]:
+    """A metrics row as written to summaries and checkpoints: without the per-sample lists (at 8k samples
+    an iteration, 200 iterations of them would be tens of MB, rewritten by every checkpoint)."""
+    return {k: v for k, v in row.items() if k not in IN_MEMORY_ONLY}
+
+
 def write_metrics(result: Any, path: Path) -> Path:
     """Iterations, shifts and the controller timeline as one xarray Dataset in Zarr (+ a JSON summary)."""
     import numpy as np
@@ -274,7 +283,7 @@ def write_metrics(result: Any, path: Path) -> Path:
         "wall_s": result.wall_s,
         "devices": result.devices,
         "eval": result.eval,
-        "iterations": rows,
+        "iterations": [persisted(r) for r in rows],
         "shifts": shifts,
         "final_policy": str(result.final_policy) if result.final_policy else None,
     }
