@@ -52,7 +52,7 @@ def _publish(version: int) -> int:
     """On node a's worker: publish the benchmark state dict (built there once: bf16 tensors cannot travel as
     Dask data, and need not: GPS moves them)."""
     if not _SD:
-        from benchmarks.gps import transformer_state_dict
+        from benchmarks.state_dicts import transformer_state_dict
 
         _SD.update(transformer_state_dict())
     store = _worker_store()
