@@ -74,19 +74,7 @@ def make_trainer(cfg: PipelineConfig, policy: Any, pad_id: int, reference: Any =
     the engines report those, whatever temperature they sampled with."""
     from pivotrl.engines.trainer import GRPOTrainer
 
-    t = cfg.train
-    return GRPOTrainer(
-        policy,
-        pad_id=pad_id,
-        lr=t.lr,
-        clip_eps=t.clip_eps,
-        kl_coef=t.kl_coef,
-        micro_batch=t.micro_batch,
-        grad_clip=t.grad_clip,
-        weight_decay=t.weight_decay,
-        warmup_steps=t.warmup_steps,
-        ref_model=reference,
-    )
+    return GRPOTrainer.from_train_config(cfg.train, policy, pad_id, ref_model=reference)
 
 
 def minibatch_slices(n: int, k: int) -> list[range]:

@@ -348,6 +348,15 @@ class GRPOTrainer:
     someone calls ``reduce``, and the owner calls ``apply`` once per iteration.
     """
 
+    @classmethod
+    def from_train_config(cls, train: Any, model: torch.nn.Module, pad_id: int,
+                          ref_model: torch.nn.Module | None = None) -> GRPOTrainer:
+        """The optimizer a run's ``train`` config section describes; the one constructor both the driver's
+        optimizer owner and a sharded train rank use, so the two cannot drift apart."""
+        return cls(model, pad_id=pad_id, lr=train.lr, clip_eps=train.clip_eps, kl_coef=train.kl_coef,
+                   micro_batch=train.micro_batch, grad_clip=train.grad_clip,
+                   weight_decay=train.weight_decay, warmup_steps=train.warmup_steps, ref_model=ref_model)
+
     def __init__(
         self,
         model: torch.nn.Module,

@@ -106,14 +106,14 @@ def _call(name: str, **kw: Any) -> Any:
 def _build(job: RankStep, store: Any, kv: Any) -> Any:
     import torch
 
-    from pivotrl.grpo import make_trainer
+    from pivotrl.engines.trainer import GRPOTrainer
     from pivotrl.runtime.roles import _build_model
     from pivotrl.runtime.train_group import TrainRank, form_group
 
     state = store.fetch(job.policy, job.version)
     model = _build_model({"hf_dir": job.hf_dir, "dtype": job.dtype}, "cpu", state)
     del state
-    trainer = make_trainer(job.cfg, model, job.pad_id)
+    trainer = GRPOTrainer.from_train_config(job.cfg.train, model, job.pad_id)
     trainer.version = job.version
     group = form_group(kv, job.plan, job.rank, device="cpu", timeout_s=job.timeout_s)
     rank = TrainRank(trainer, group)
