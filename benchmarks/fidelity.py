@@ -27,21 +27,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.paradigms import GROUPINGS, WARMUP, workload
+from benchmarks.paradigms import GROUPINGS, WARMUP, run_config, workload
 from pivotrl.runtime.metrics import shift_phase
 
 ROLES = ("rollout", "reward", "train")
-
-
-def run_real(cfg: Any, mode: str, groups: list[list[str]] | None, staleness: int) -> Any:
-    from pivotrl.run import run_pipeline
-
-    cfg = cfg.model_copy(deep=True)
-    cfg.run.max_staleness = staleness
-    if groups is not None:
-        cfg.scheduler.static_groups = groups
-    return run_pipeline(cfg, mode=mode, workers=2, log=lambda m: None, progress=False,
-                        evaluate_policy=False, save_final=False)
 
 
 def measured(res: Any) -> dict[str, Any]:
@@ -162,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     configs += [("shiftable", "shiftable", None, 0), ("shiftable_async", "shiftable", None, 1)]
     runs: dict[str, Any] = {}
     for name, mode, groups, k in configs:
-        runs[name] = run_real(cfg, mode, groups, k)
+        runs[name] = run_config(cfg, mode, groups, k)
         tps = measured(runs[name])["tokens_per_s_per_device"]
         print(f"real {name:<32} {tps:8.1f} tok/s/device", flush=True)
     prof = profile(cfg, runs)

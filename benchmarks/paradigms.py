@@ -167,19 +167,16 @@ def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def run_mode(
-    cfg: Any, mode: str, groups: list[list[str]] | None = None, max_staleness: int = 0
-) -> dict[str, Any]:
-    """One run under `mode`; a static grouping is core's `Grouped` policy, chosen by the config exactly as
-    a user's `scheduler.static_groups` is; `max_staleness` is `run.max_staleness`. The result names the
-    policy that decided."""
+def run_config(cfg: Any, mode: str, groups: list[list[str]] | None = None, max_staleness: int = 0) -> Any:
+    """One run under `mode` (its `RunResult`); a static grouping is core's `Grouped` policy, chosen by the
+    config exactly as a user's `scheduler.static_groups` is; `max_staleness` is `run.max_staleness`."""
     from pivotrl.run import run_pipeline
 
     cfg = cfg.model_copy(deep=True)
     cfg.run.max_staleness = max_staleness
     if groups is not None:
         cfg.scheduler.static_groups = groups
-    res = run_pipeline(
+    return run_pipeline(
         cfg,
         mode=mode,
         workers=2,
@@ -188,6 +185,13 @@ def run_mode(
         evaluate_policy=False,
         save_final=False,
     )
+
+
+def run_mode(
+    cfg: Any, mode: str, groups: list[list[str]] | None = None, max_staleness: int = 0
+) -> dict[str, Any]:
+    """`run_config`, summarised; the result names the policy that decided."""
+    res = run_config(cfg, mode, groups, max_staleness)
     return {**summarise(res), "policy": res.policy}
 
 
