@@ -5,14 +5,15 @@ there is no shared file system, so a worker that lacks a version gets it from a 
 nearest first (`pivotrl.core.locality.nearest_holders`). Transport-agnostic here (`RangeSource`: byte
 ranges of a holder's chunk files; `pivotrl.runtime.gps_plugin` carries them over Dask's comms).
 
-- The pull goes through `layout.read_tensors` over a `PeerBackend`, a read-only `Backend` whose chunk
-  reads are remote byte ranges (`PEER_RANGE_BYTES` each, several in flight on the store's I/O threads), so
-  every tensor's xxh3 checksum is verified as its bytes arrive, exactly as for a local read.
+- The pull asks for pieces of whole tensors (`pivotrl.gps.pieces`; `PEER_RANGE_BYTES` at most, `PEER_WINDOW`
+  in flight), and the buffer each arrives in becomes those tensors' memory: the transfer and one xxh3 pass
+  per tensor, no copy into a second buffer.
 - A holder lost mid-transfer (`PeerLost`) is dropped and the same range is asked of the next holder; the
   pull fails only when every holder is gone.
-- Nothing becomes visible until the whole version is here and verified: the node's tiers are then written
-  with `layout.write_version` (data under a fresh prefix, the manifest committed last, exclusively), so a
-  torn transfer leaves at most an uncommitted prefix that `sweep` removes.
+- Nothing becomes visible until the whole version is here and verified: the node's tier is then written
+  (`Landing`: data under a fresh prefix, the manifest committed last, exclusively), so a torn transfer
+  leaves at most an uncommitted prefix that `sweep` removes. The landing may run behind the fetch (the
+  caller's choice, for read-only results), so the pull's critical path does not include writing the tier.
 """
 
 from __future__ import annotations
@@ -22,24 +23,27 @@ import mmap
 import os
 import threading
 from collections.abc import Sequence
-from concurrent.futures import Executor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
 import torch
+import xxhash
 
 from pivotrl.gps import layout
 from pivotrl.gps.backend import Backend, LocalBackend
 from pivotrl.gps.errors import IntegrityError, NotFoundError
 from pivotrl.gps.landing import Landing
-from pivotrl.gps.manifest import Manifest, version_dir
+from pivotrl.gps.manifest import DTYPES, Manifest, version_dir
+from pivotrl.gps.pieces import Piece, Segment, plan_pieces
 
 #: Bytes per remote range request (the guidance range is 8-64 MiB): on loopback TCP, 64 MiB pulled 257 MB
 #: in 0.41-0.70 s where 16 MiB took 0.53-1.7 s and 4 MiB 1.2-2.2 s (2-core box, loaded; benchmarks.gps_nodes).
 #: Smaller ranges would make a lost holder cheaper to re-ask; a lost range is re-asked whole.
 PEER_RANGE_BYTES = 64 << 20
-PEER_ROOT = "peer:"
+#: Pieces in flight at once per pull (each a request to a holder, on its own thread).
+PEER_WINDOW = 4
 
 
 class StoreLike(Protocol):
@@ -90,10 +94,11 @@ class PeerSource(Protocol):
     """What a `ParameterStore` with `peers` set calls (see `pivotrl.runtime.gps_plugin.DaskPeers`)."""
 
     def fill(
-        self, store: StoreLike, model: str, version: int, wanted: list[str] | None
+        self, store: StoreLike, model: str, version: int, wanted: list[str] | None, *, shared: bool = False
     ) -> tuple[dict[str, torch.Tensor], Manifest]:
         """A version no local tier holds: pull it from the nearest holder, fill the node's tiers, return
-        it (all tensors, or `wanted`); raises `NotFoundError` when no one holds it."""
+        it (all tensors, or `wanted`); raises `NotFoundError` when no one holds it. `shared`: the caller
+        only reads the result, so the node's tiers may be filled behind the return, from its memory."""
         ...
 
     def announce(self, model: str, version: int, nbytes: int) -> None:
@@ -153,58 +158,90 @@ def _mapped_range(path: str, offset: int, nbytes: int) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------------------------- pulling
-class PeerBackend:
-    """A read-only `Backend` over remote holders (best first), falling back holder by holder."""
+class _PieceFetcher:
+    """Fetches the pieces of one pull from `holders` (best first), falling back holder by holder."""
 
-    root = PEER_ROOT
-
-    def __init__(self, source: RangeSource, holders: Sequence[str], manifest: Manifest,
-                 landing: Landing | None = None) -> None:
+    def __init__(self, source: RangeSource, holders: Sequence[str], manifest: Manifest) -> None:
         if not holders:
-            raise ValueError("PeerBackend needs at least one holder")
-        self.landing = landing  # where each range is also written as it arrives
+            raise ValueError("a pull needs at least one holder")
         self.source = source
         self.holders = list(holders)
         self.manifest = manifest
+        self.chunk_bytes = {a.name: a.chunk_bytes for a in manifest.arrays}
         self.dead: list[str] = []
         self.bytes_by_holder: dict[str, int] = {}
         self._lock = threading.Lock()
 
-    def join(self, *parts: str) -> str:
-        return "/".join([PEER_ROOT, *parts])
-
-    def read_into(self, path: str, offset: int, out: memoryview) -> None:
-        parts = path.split("/")  # peer: / model / vdir / data_id / array / c / i
-        req = RangeRequest(
-            self.manifest.model, self.manifest.version, parts[-3], int(parts[-1]), offset, out.nbytes,
-            self.manifest.array_map()[parts[-3]].chunk_bytes,
-        )
+    def _segment(self, piece: Piece, seg: Segment) -> np.ndarray:
+        m = self.manifest
+        req = RangeRequest(m.model, m.version, piece.array, seg.chunk, seg.offset, seg.nbytes,
+                           self.chunk_bytes[piece.array])
         while True:
             with self._lock:
                 live = [h for h in self.holders if h not in self.dead]
             if not live:
                 raise PeerLost(
-                    f"{req.model!r} version {req.version}: every holder was lost mid-transfer ({self.dead})"
+                    f"{m.model!r} version {m.version}: every holder was lost mid-transfer ({self.dead})"
                 )
             holder = live[0]
             try:
                 data = self.source.read(holder, req)
             except PeerLost:
+                data = None
+            arr = None if data is None else _as_bytes(data)
+            if arr is None or arr.nbytes != seg.nbytes:
                 with self._lock:
                     if holder not in self.dead:
                         self.dead.append(holder)
                 continue
-            view = memoryview(data).cast("B")
-            if view.nbytes != out.nbytes:
-                with self._lock:
-                    self.dead.append(holder)
-                continue
-            out[:] = view
-            if self.landing is not None:
-                self.landing.write(req.array, req.chunk, req.offset, out)
             with self._lock:
-                self.bytes_by_holder[holder] = self.bytes_by_holder.get(holder, 0) + out.nbytes
-            return
+                self.bytes_by_holder[holder] = self.bytes_by_holder.get(holder, 0) + seg.nbytes
+            return arr
+
+    def fetch(self, piece: Piece) -> tuple[np.ndarray, list[str]]:
+        """The piece's bytes (its tensors' memory) and the names of its tensors failing their checksum."""
+        align = max(_ITEMSIZE.get(e.dtype, 8) for e in piece.entries)
+        if piece.direct:
+            buf = self._segment(piece, piece.segments[0])
+            if not buf.flags.writeable or buf.ctypes.data % align:
+                buf = _aligned_copy(buf)  # tensors get writable, naturally aligned memory
+        else:
+            buf = _aligned_empty(piece.nbytes)
+            for seg in piece.segments:
+                buf[seg.dst : seg.dst + seg.nbytes] = self._segment(piece, seg)
+        mv = memoryview(buf)
+        bad = [e.name for e in piece.entries
+               if xxhash.xxh3_64_hexdigest(mv[e.offset - piece.start : e.offset - piece.start + e.nbytes])
+               != e.xxh3]
+        return buf, bad
+
+
+_ALIGN = 64
+
+
+def _as_bytes(data: Any) -> np.ndarray:
+    """`data` as a flat uint8 array on the same memory, writable where that memory is (an array the sender
+    flagged read-only arrives flagged so, in a buffer of the comm's that is ours to keep)."""
+    if isinstance(data, np.ndarray) and data.flags.c_contiguous:
+        arr = data.reshape(-1).view(np.uint8)
+        if not arr.flags.writeable:
+            with contextlib.suppress(ValueError):
+                arr.flags.writeable = True
+        return arr
+    return np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
+_ITEMSIZE = {name: dt[0].itemsize for name, dt in DTYPES.items()}
+
+
+def _aligned_empty(nbytes: int) -> np.ndarray:
+    raw = np.empty(nbytes + _ALIGN, dtype=np.uint8)
+    skip = -raw.ctypes.data % _ALIGN
+    return raw[skip : skip + nbytes]
+
+
+def _aligned_copy(buf: np.ndarray) -> np.ndarray:
+    out = _aligned_empty(buf.nbytes)
+    np.copyto(out, buf)
+    return out
 
 
 @dataclass
@@ -214,16 +251,47 @@ class PullResult:
     served_by: dict[str, int]  # holder -> bytes it sent
     lost: list[str]  # holders that failed during the pull
     landed: Manifest | None = None  # the manifest committed in `land`, when pulled with one
+    pieces: list[tuple[Piece, np.ndarray]] = field(default_factory=list, repr=False)
+
+    def land(self, backend: LocalBackend) -> Manifest:
+        """Write the pulled bytes into `backend` and commit the version there (`Landing`'s rule: visible
+        only once all of it is written); returns the committed manifest (another writer's if it won)."""
+        landing = Landing(backend, self.manifest)
+        try:
+            for piece, buf in self.pieces:
+                mv = memoryview(buf)
+                for seg in piece.segments:
+                    landing.write(piece.array, seg.chunk, seg.offset, mv[seg.dst : seg.dst + seg.nbytes])
+            self.landed = landing.commit()
+        except BaseException:
+            landing.abandon()
+            raise
+        return self.landed
+
+
+def _tensors(manifest: Manifest, got: list[tuple[Piece, np.ndarray]], names: list[str] | None
+             ) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for piece, buf in got:
+        flat = torch.from_numpy(buf)
+        for e in piece.entries:
+            d = e.offset - piece.start
+            out[e.name] = flat[d : d + e.nbytes].view(DTYPES[e.dtype][0]).view(e.shape)
+    return {n: out[n] for n in (manifest.names if names is None else names)}
 
 
 def pull(
     store: StoreLike, model: str, version: int, holders: Sequence[str], source: RangeSource,
-    land: LocalBackend | None = None,
+    land: LocalBackend | None = None, *, land_behind: bool = False,
 ) -> PullResult:
     """Pull (model, version) from `holders` (best first), verified; raises `PeerLost` / `IntegrityError` /
-    `NotFoundError` when no holder could deliver a good copy. With `land`, every range is also written
-    into that local tier as it arrives and the version is committed there once verified (`Landing`);
-    without, nothing is written."""
+    `NotFoundError` when no holder could deliver a good copy.
+
+    Pieces (`plan_pieces`) are fetched `PEER_WINDOW` at a time, so the holder's sends, the transfer and this
+    side's checksums overlap. With `land` the verified version is committed into that local tier before
+    this returns; with `land_behind` as well, it is not: the caller lands it (`PullResult.land`) behind the
+    fetch, which it may only do while nothing writes to the returned tensors (they are the landed bytes).
+    Without `land`, nothing is written."""
     lost: list[str] = []
     problems: list[str] = []
     remaining = list(holders)
@@ -236,26 +304,31 @@ def pull(
                 lost.append(remaining.pop(0))
         if man is None:
             break
-        landing = Landing(land, man) if land is not None else None
-        peer = PeerBackend(source, remaining, man, landing)
-        try:
-            tensors, bad = layout.read_tensors(
-                peer, man, None, store._io, slice_bytes=PEER_RANGE_BYTES, group_bytes=PEER_RANGE_BYTES
-            )
-        except BaseException:
-            if landing is not None:
-                landing.abandon()
-            raise
-        lost += peer.dead
+        fetcher = _PieceFetcher(source, remaining, man)
+        pieces = sorted(plan_pieces(man, PEER_RANGE_BYTES), key=lambda p: -p.nbytes)
+        got: list[tuple[Piece, np.ndarray]] = []
+        bad: list[str] = []
+        with ThreadPoolExecutor(min(PEER_WINDOW, max(1, len(pieces))), thread_name_prefix="gps-peer") as pool:
+            futs = [pool.submit(fetcher.fetch, p) for p in pieces]
+            try:
+                for p, f in zip(pieces, futs):
+                    buf, b = f.result()
+                    got.append((p, buf))
+                    bad += b
+            except BaseException:
+                for f in futs:
+                    f.cancel()
+                raise
+        lost += fetcher.dead
         if not bad:
-            landed = landing.commit() if landing is not None else None
-            return PullResult(tensors, man, peer.bytes_by_holder, lost, landed)
-        if landing is not None:
-            landing.abandon()
+            res = PullResult(_tensors(man, got, None), man, fetcher.bytes_by_holder, lost, pieces=got)
+            if land is not None and not land_behind:
+                res.land(land)
+            return res
         # Which holder sent the bad bytes is not tracked per tensor: retry without the one that sent most.
-        worst = max(peer.bytes_by_holder, key=peer.bytes_by_holder.__getitem__)
+        worst = max(fetcher.bytes_by_holder, key=fetcher.bytes_by_holder.__getitem__)
         problems.append(f"{worst}: checksum mismatch in {bad[:5]}")
-        remaining = [h for h in remaining if h != worst and h not in peer.dead]
+        remaining = [h for h in remaining if h != worst and h not in fetcher.dead]
     if problems:
         raise IntegrityError(
             f"{model!r} version {version}: no holder sent a good copy: " + "; ".join(problems)

@@ -431,7 +431,7 @@ class ParameterStore:
         hit = self.device_tier.get(key, wanted)
         if hit is not None:
             return self._deliver(hit, device, copy)
-        tensors, man = self._read_through(model, v, wanted)
+        tensors, man = self._read_through(model, v, wanted, shared=not copy)
         if self.device_tier.capacity > 0 and self.device_tier.admits(nbytes_of(tensors), key):
             cached = self._to_tier_device(tensors)
             if copy and cached is tensors:
@@ -469,10 +469,12 @@ class ParameterStore:
         return {n: t.clone() if copy else t for n, t in tensors.items()}
 
     def _read_through(
-        self, model: str, version: int, wanted: list[str] | None, ask_peers: bool = True
+        self, model: str, version: int, wanted: list[str] | None, ask_peers: bool = True,
+        shared: bool = False,
     ) -> tuple[dict[str, torch.Tensor], Manifest]:
         """Try host then persistent tier; verify checksums; fall back on corruption; fill/repair the host;
-        then (node-local tiers) the nearest peer."""
+        then (node-local tiers) the nearest peer. `shared`: the caller never writes to what it gets (a
+        peer fill may then land its bytes in the node's tier behind the fetch, from the same memory)."""
         problems: list[str] = []
         missed: list[tuple[str, Backend]] = []
         corrupt: list[tuple[str, Backend]] = []
@@ -513,7 +515,7 @@ class ParameterStore:
                 f"{model!r} version {version} is corrupt in every tier: " + "; ".join(problems)
             )
         if ask_peers and self.peers is not None:
-            return self.peers.fill(self, model, version, wanted)
+            return self.peers.fill(self, model, version, wanted, shared=shared)
         raise self._missing(model, version)
 
     def _repair_faster_tiers(self, man: Manifest, good: Backend, corrupt: list, missed: list) -> None:

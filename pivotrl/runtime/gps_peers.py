@@ -21,7 +21,9 @@ from pivotrl.core.locality import FetchTier, Holder, Tier
 from pivotrl.gps.errors import NotFoundError
 from pivotrl.gps.manifest import Manifest
 from pivotrl.gps.peer import (
+    Committed,
     PeerLost,
+    PullResult,
     RangeRequest,
     commit_local,
     landed,
@@ -81,10 +83,11 @@ class DaskPeers:
             raise PeerLost(f"{holder}: {type(exc).__name__}: {exc}") from None
         if got is None:
             raise PeerLost(f"{holder} no longer holds {req.model!r} version {req.version}")
-        return got
+        return got[1] if isinstance(got, tuple) else got  # (lead, range): see GPSWorkerPlugin.handle_read
 
     # -- PeerSource -----------------------------------------------------------------------------------
-    def fill(self, store: Any, model: str, version: int, wanted: list[str] | None) -> Any:
+    def fill(self, store: Any, model: str, version: int, wanted: list[str] | None, *,
+             shared: bool = False) -> Any:
         t0 = time.perf_counter()
         ask = dict(model=model, version=version, node=self.node, worker=self.address)
         reply = self._run(self.scheduler.pivotrl_gps_holders(**ask), timeout=self.timeout_s * 10)
@@ -98,28 +101,54 @@ class DaskPeers:
             raise NotFoundError(f"{model!r} version {version}: not in this node's tiers and no peer holds it")
         done = dict(model=model, version=version, node=self.node, worker=self.address)
         land = landing_tier(store)
+        behind = shared and land is not None  # the caller only reads: the tier is written from its memory
         try:
             res = pull(store, model, version, [h.worker for h in holders], self,
-                       land=land[1] if land is not None else None)
+                       land=land[1] if land is not None else None, land_behind=behind)
         except BaseException:
             with contextlib.suppress(Exception):
                 self._run(self.scheduler.pivotrl_gps_fill_done(**done, ok=False))
             raise
-        pulled_s = time.perf_counter() - t0
-        done_at = landed(store, res, land[0]) if land is not None else commit_local(store, res)
-        first = done_at.tier
         nodes = {h.worker: h.node for h in holders}
         main = max(res.served_by, key=res.served_by.__getitem__)
         ftier = FetchTier.PEER_NODE if nodes.get(main) == self.node else FetchTier.PEER_REMOTE
-        with contextlib.suppress(Exception):  # releases this node's other workers waiting for the version
-            self._run(self.scheduler.pivotrl_gps_fill_done(
-                **done, ok=True, tiers=[first] if first else [], nbytes=res.manifest.nbytes,
-                seconds=pulled_s, fetch_tier=ftier.value, served_by=res.served_by, lost=res.lost,
-            ))
-        if done_at.rest:  # the slower node tiers behind the fetch, from the committed copy
-            store._track(store._bg.submit(self._replicate, store, done_at))
+        report = dict(done, nbytes=res.manifest.nbytes, seconds=time.perf_counter() - t0,
+                      fetch_tier=ftier.value, served_by=res.served_by, lost=res.lost)
+        if behind:
+            assert land is not None
+            store._track(store._bg.submit(self._land_behind, store, res, land, report))
+        else:
+            done_at = landed(store, res, land[0]) if land is not None else commit_local(store, res)
+            self._report(done_at, report)
+            if done_at.rest:  # the slower node tiers behind the fetch, from the committed copy
+                store._track(store._bg.submit(self._replicate, store, done_at))
         tensors = res.tensors if wanted is None else {n: res.tensors[n] for n in wanted}
         return tensors, res.manifest
+
+    def _report(self, done_at: Committed, report: dict[str, Any]) -> None:
+        """`fill_done`: the registry learns the node's new copy and releases its workers waiting for it."""
+        with contextlib.suppress(Exception):
+            self._run(self.scheduler.pivotrl_gps_fill_done(
+                **report, ok=True, tiers=[done_at.tier] if done_at.tier else []))
+
+    def _land_behind(
+        self, store: Any, res: PullResult, land: tuple[str, Any], report: dict[str, Any]
+    ) -> None:
+        """On the store's write-behind thread: land a verified pull, report it, fill the slower tiers. A
+        failure costs only the node's copy (logged; the node's next reader pulls again), never the store."""
+        man = res.manifest
+        try:
+            res.land(land[1])
+        except Exception:
+            logger.warning("pivotrl-gps: landing %s v%s in the %s tier failed", man.model, man.version,
+                           land[0], exc_info=True)
+            self._report(Committed(None, man), report)
+            return
+        done_at = landed(store, res, land[0])
+        res.pieces = []  # the landed copy is the source from here on
+        self._report(done_at, report)
+        with contextlib.suppress(Exception):
+            self._replicate(store, done_at)
 
     def _replicate(self, store: Any, done: Any) -> None:
         man = done.manifest

@@ -31,6 +31,7 @@ import os
 import socket
 from typing import Any
 
+import numpy as np
 from distributed.diagnostics.plugin import SchedulerPlugin, WorkerPlugin
 from distributed.protocol import to_serialize
 
@@ -45,6 +46,7 @@ from pivotrl.runtime.gps_peers import DaskPeers
 logger = logging.getLogger(__name__)
 
 PLUGIN_NAME = "pivotrl-gps"
+_LEAD = np.zeros(1, dtype=np.uint8)
 NODE_ENV = "PIVOTRL_NODE"
 
 
@@ -254,8 +256,12 @@ class GPSWorkerPlugin(WorkerPlugin):
         return await asyncio.to_thread(serve_manifest, self.store, model, int(version))
 
     async def handle_read(self, req: dict[str, Any]) -> Any:
+        """A byte range, sent after a one-byte lead buffer. Why the lead: Dask's TCP comm reads the message
+        header together with the first buffer into one allocation (the range would start at an odd
+        offset there); a second buffer gets an allocation of its own, aligned, which the reader keeps as
+        the tensors' memory instead of copying it (`gps.peer`, which copies whatever is misaligned)."""
         data = await asyncio.to_thread(serve_range, self.store, RangeRequest.from_wire(req))
-        return None if data is None else to_serialize(data)
+        return None if data is None else to_serialize((_LEAD, data))
 
     async def handle_has(self, model: str, version: int) -> dict[str, Any] | None:
         def has() -> dict[str, Any] | None:

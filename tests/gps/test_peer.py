@@ -133,7 +133,7 @@ class FakePeers:
         self.announced: list[tuple[str, int]] = []
         self.forgotten: list[tuple[str, list[int]]] = []
 
-    def fill(self, store, model, version, wanted):
+    def fill(self, store, model, version, wanted, shared=False):
         res = pull(store, model, version, list(self.src.stores), self.src)
         replicate(store, commit_local(store, res))
         got = res.tensors if wanted is None else {n: res.tensors[n] for n in wanted}
@@ -194,3 +194,55 @@ def test_landing_of_a_torn_or_corrupt_pull_leaves_nothing(tmp_path, small_ranges
     with pytest.raises(IntegrityError):
         pull(b, "policy", 1, ["a1"], src, land=b.persistent)
     assert b.versions("policy") == [] and _data_prefixes(tmp_path / "b") == []
+
+
+class CommLikeSource(StoreSource):
+    """Ranges arrive as a comm delivers them: fresh, writable, 16-byte-aligned buffers, flagged read-only
+    (the sender's were), or at an odd address (a buffer sharing its allocation with a header)."""
+
+    def __init__(self, stores, odd: bool = False) -> None:
+        super().__init__(stores)
+        self.odd = odd
+        self.buffers: list = []
+
+    def read(self, holder, req):
+        import numpy as np
+
+        data = super().read(holder, req)
+        raw = np.empty(data.nbytes + 1, dtype=np.uint8)
+        buf = raw[1:] if self.odd else raw[: data.nbytes]
+        buf[:] = data
+        buf.flags.writeable = False
+        self.buffers.append(buf)
+        return buf
+
+
+@pytest.mark.parametrize("odd", [False, True])
+def test_arriving_buffers_become_the_tensors_memory_when_aligned(tmp_path, odd) -> None:
+    a = _holder(tmp_path, "a")
+    b = ParameterStore(tmp_path / "b", write_behind=False)
+    src = CommLikeSource({"a": a}, odd=odd)
+    res = pull(b, "policy", 1, ["a"], src)
+    check_versioned(1, res.tensors, width=96)
+    spans = [(x.ctypes.data, x.ctypes.data + x.nbytes) for x in src.buffers]
+
+    def shared(t: torch.Tensor) -> bool:
+        return any(lo <= t.data_ptr() < hi for lo, hi in spans)
+
+    assert all(t.data_ptr() % t.element_size() == 0 for t in res.tensors.values())
+    if odd:  # misaligned for the dtype: copied into aligned memory
+        assert not any(shared(t) for t in res.tensors.values())
+    else:
+        assert all(shared(t) for t in res.tensors.values())  # no copy
+    for t in res.tensors.values():
+        t.add_(1)  # the caller's memory, writable
+
+
+def test_landing_behind_commits_the_pulled_bytes_later(tmp_path) -> None:
+    a = _holder(tmp_path, "a")
+    b = ParameterStore(tmp_path / "b" / "gps", host_tier=tmp_path / "b" / "shm", write_behind=False)
+    res = pull(b, "policy", 1, ["a"], CommLikeSource({"a": a}), land=b.host, land_behind=True)
+    assert res.landed is None and b.versions("policy") == []  # nothing written yet
+    assert res.land(b.host) == res.landed is not None
+    host_only = ParameterStore(tmp_path / "elsewhere", host_tier=tmp_path / "b" / "shm")
+    check_versioned(1, host_only.fetch("policy", 1), width=96)

@@ -126,6 +126,59 @@ def test_peer_fetch_across_nodes_once_per_node(cluster) -> None:
     assert {"node": "b", "worker": "", "tier": "persistent"} in _state(client)["copies"]["policy@1"]
 
 
+def _fetch_read_only(model: str, version: int) -> dict:
+    """A read-only fetch (`copy=False`): the pull returns before its bytes are in the node's tier."""
+    store = _store()
+    check_versioned(version, store.fetch(model, version, copy=False), width=WIDTH)
+    store.flush()  # the landing behind the fetch, then the slower tier
+    return {"versions": store.versions(model), "host": sorted(os.listdir(store.host.root))}
+
+
+def _landing_fails(fail: bool) -> None:
+    from pivotrl.gps import peer
+
+    if fail:
+        peer.PullResult._land = peer.PullResult.land
+
+        def land(self, backend):
+            raise OSError("no space left on device (injected)")
+
+        peer.PullResult.land = land
+    elif hasattr(peer.PullResult, "_land"):
+        peer.PullResult.land = peer.PullResult._land
+
+
+def test_a_read_only_fetch_lands_behind_once_per_node(cluster) -> None:
+    client, _ = cluster
+    nodes = workers_by_node(client)
+    _on(client, nodes["a"][0], _publish, "ro", 1)
+    with concurrent.futures.ThreadPoolExecutor(2) as ex:  # the second waits for the first's landing
+        got = list(ex.map(lambda w: _on(client, w, _fetch_read_only, "ro", 1), nodes["b"]))
+    assert all(g["versions"] == [1] for g in got)
+    pulls = [p for p in _state(client)["pulls"] if p["model"] == "ro"]
+    assert len(pulls) == 1 and pulls[0]["ok"] and pulls[0]["node"] == "b"
+    copies = _state(client)["copies"]["ro@1"]
+    assert {"node": "b", "worker": "", "tier": "host"} in copies
+    assert {"node": "b", "worker": "", "tier": "persistent"} in copies
+
+
+def test_a_landing_that_fails_behind_the_fetch_costs_only_the_copy(cluster) -> None:
+    client, _ = cluster
+    nodes = workers_by_node(client)
+    b = nodes["b"][0]
+    _on(client, nodes["a"][0], _publish, "rofail", 1)
+    client.run(_landing_fails, True, workers=[b])
+    try:
+        got = _on(client, b, _fetch_read_only, "rofail", 1)  # the data are right; flush() raises nothing
+    finally:
+        client.run(_landing_fails, False, workers=[b])
+    assert got["versions"] == [] and not any(n.startswith("rofail") for n in got["host"])
+    assert not [c for c in _state(client)["copies"]["rofail@1"] if c["node"] == "b"]
+    assert _on(client, b, _fetch, "rofail", 1)["versions"] == [1]  # the next reader pulls it again
+    pulls = [p for p in _state(client)["pulls"] if p["model"] == "rofail"]
+    assert [p["ok"] for p in pulls] == [True, True]
+
+
 def test_a_stale_record_of_the_own_node_is_corrected(cluster) -> None:
     """The registry says node b holds a version its tiers no longer have (deleted behind its back)."""
     client, _ = cluster
