@@ -253,6 +253,7 @@ def run(quick: bool, tmp_root: str | None) -> dict:
             "zarr_api_read_vs_fetch": med["fetch"] / med["zarr_api_read"],
             "publish_write_behind_return_vs_publish": med["publish"] / med["publish_write_behind_return"],
             "peer_fetch_vs_raw_read_best": peer["ratio_best"],
+            "peer_fetch_owned_vs_raw_read": peer["ratio_owned"],
             # Lower-quartile times: the ratios with this machine's random stalls (see alloc_touch) cut off.
             "fetch_vs_raw_read_q1": min(q1["raw_read"], q1["raw_fromfile"]) / q1["fetch"],
             "fetch_vs_safetensors_q1": q1["safetensors_load"] / q1["fetch"],

@@ -2,11 +2,13 @@
 
 - `peer_fetch_vs_raw_read`: two "nodes" on this machine (one worker process each, own directories, Dask's
   TCP comms over loopback). Node a publishes a version; the worker of node b fetches it (it misses its own
-  tiers, pulls every byte range from node a's worker, verifies checksums, lands it in node b's host tier) and,
-  in the same task, reads a file of the same size with one `preadv` (the raw read, from page cache).
-  Repeats alternate which goes first; background work (the copy into node b's persistent tier behind the
-  fetch, dirty pages) is finished, untimed, before each timed call. Ratio = raw-read / peer-fetch time
-  (medians).
+  tiers, pulls every byte range from node a's worker, verifies checksums) and, in the same task, reads a
+  file of the same size with one `preadv` (the raw read, from page cache). The fetch is read-only
+  (`copy=False`, as a role shift's weight load): its landing in node b's host tier runs behind it. Owning
+  fetches (`copy=True`: the landing on the fetch's path) alternate with them and are reported beside
+  (`ratio_owned`). Repeats alternate which goes first; background work (the landing and the copy into node
+  b's persistent tier behind the fetch, dirty pages) is finished, untimed, before each timed call. Ratio =
+  raw-read / peer-fetch time (medians).
 - `s3_fetch_vs_raw_read`: a persistent tier at an s3:// URL on a local moto server (a Python HTTP server,
   so this is a lower bound for a real object store's per-request cost, not its bandwidth); ratio of a
   raw read of the same bytes to a `fetch` (device tier off, checksums verified). Reported, no target.
@@ -61,8 +63,10 @@ def _publish(version: int) -> int:
     return sum(t.numel() * t.element_size() for t in _SD.values())
 
 
-def _fetch_and_raw(version: int, raw_path: str) -> tuple[float, float, int]:
-    """On node b's worker: one peer fetch of `version` and one raw read, in alternating order."""
+def _fetch_and_raw(version: int, raw_path: str, copy: bool = False) -> tuple[float, float, int]:
+    """On node b's worker: one peer fetch of `version` and one raw read, in alternating order. `copy=False`
+    is the read-only fetch a role shift makes (its node-tier landing runs behind it); `copy=True` gets the
+    caller its own memory, so the landing is on the fetch's path."""
     torch.set_num_threads(1)
     store = _worker_store()
 
@@ -77,7 +81,7 @@ def _fetch_and_raw(version: int, raw_path: str) -> tuple[float, float, int]:
     raw = _raw_read(raw_path) if raw_first else 0.0
     quiesce()
     t0 = time.perf_counter()
-    out = store.fetch("bench", version, copy=False)
+    out = store.fetch("bench", version, copy=copy)
     peer = time.perf_counter() - t0
     got = sum(t.numel() * t.element_size() for t in out.values())
     del out  # freed before the raw read, as the raw read's buffer is before the fetch: same memory state
@@ -100,31 +104,37 @@ def peer_fetch(nbytes: int, repeats: int, tmp_root: str | None) -> dict[str, Any
     raw_path = tmp / "raw.bin"
     np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8).tofile(raw_path)
     peer_s: list[float] = []
+    owned_s: list[float] = []
     raw_s: list[float] = []
     with nodes_cluster({"a": 1, "b": 1}) as cl, Client(cl) as client:
         client.wait_for_workers(2, timeout=120)
         install_gps(client, tmp)
         nodes = workers_by_node(client)
         a, b = nodes["a"][0], nodes["b"][0]
-        for v in range(repeats + 1):
+        for v in range(2 * (repeats + 1)):
+            copy = v % 4 in (1, 2)  # read-only and owning fetches alternate, each raw read first or second
             assert client.submit(_publish, v, workers=[a], pure=False).result() == nbytes
-            p, r, got = client.submit(_fetch_and_raw, v, str(raw_path), workers=[b], pure=False).result()
+            p, r, got = client.submit(_fetch_and_raw, v, str(raw_path), copy, workers=[b],
+                                      pure=False).result()
             assert got == nbytes
-            if v:  # round 0 warms up both sides (imports, connections, page cache of the raw file)
-                peer_s.append(p)
+            if v >= 2:  # round 0 warms up both sides (imports, connections, page cache of the raw file)
+                (owned_s if copy else peer_s).append(p)
                 raw_s.append(r)
             client.submit(_gc, 1, workers=[a], pure=False).result()
         pulls = client.sync(client.scheduler.pivotrl_gps_state)["pulls"]
     shutil.rmtree(tmp, ignore_errors=True)
     assert all(p["ok"] and p["fetch_tier"] == "peer_remote" for p in pulls), pulls
-    med_p, med_r = statistics.median(peer_s), statistics.median(raw_s)
+    med_p, med_o, med_r = statistics.median(peer_s), statistics.median(owned_s), statistics.median(raw_s)
     return {
         "bytes": nbytes,
         "repeats": repeats,
-        "median_s": {"peer_fetch": med_p, "raw_read": med_r},
-        "gbps": {"peer_fetch": nbytes / med_p / 1e9, "raw_read": nbytes / med_r / 1e9},
-        "all_s": {"peer_fetch": peer_s, "raw_read": raw_s},
+        "fetch": "read-only (copy=False, as a role shift fetches): the node-tier landing runs behind it",
+        "median_s": {"peer_fetch": med_p, "peer_fetch_owned": med_o, "raw_read": med_r},
+        "gbps": {"peer_fetch": nbytes / med_p / 1e9, "peer_fetch_owned": nbytes / med_o / 1e9,
+                 "raw_read": nbytes / med_r / 1e9},
+        "all_s": {"peer_fetch": peer_s, "peer_fetch_owned": owned_s, "raw_read": raw_s},
         "ratio": med_r / med_p,
+        "ratio_owned": med_r / med_o,  # copy=True: the landing in the node's host tier on the fetch's path
         # Best against best: on a loaded box the raw read's medians swing 10x (page faults, other jobs);
         # the fastest of each is the closest to what the two cost on a quiet machine.
         "ratio_best": min(raw_s) / min(peer_s),

@@ -98,7 +98,7 @@ class PeerSource(Protocol):
     ) -> tuple[dict[str, torch.Tensor], Manifest]:
         """A version no local tier holds: pull it from the nearest holder, fill the node's tiers, return
         it (all tensors, or `wanted`); raises `NotFoundError` when no one holds it. `shared`: the caller
-        only reads the result, so the node's tiers may be filled behind the return, from its memory."""
+        only reads the result, which may then be the memory the node's tiers are filled from."""
         ...
 
     def announce(self, model: str, version: int, nbytes: int) -> None:

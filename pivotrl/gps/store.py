@@ -474,7 +474,7 @@ class ParameterStore:
     ) -> tuple[dict[str, torch.Tensor], Manifest]:
         """Try host then persistent tier; verify checksums; fall back on corruption; fill/repair the host;
         then (node-local tiers) the nearest peer. `shared`: the caller never writes to what it gets (a
-        peer fill may then land its bytes in the node's tier behind the fetch, from the same memory)."""
+        peer fill may then return the memory it lands in the node's tier behind the fetch; else a copy)."""
         problems: list[str] = []
         missed: list[tuple[str, Backend]] = []
         corrupt: list[tuple[str, Backend]] = []

@@ -1,10 +1,12 @@
 """`DaskPeers`: the `PeerSource` of a parameter store on a Dask worker or on the driver.
 
 It asks the scheduler's GPS registry (`pivotrl.runtime.gps_plugin`) for the nearest holders, pulls byte
-ranges from them with worker-to-worker RPC (`pivotrl_gps_manifest`, `pivotrl_gps_read`), lands the version
-in the node's fastest tier (`pivotrl.gps.peer.pull(..., land=...)`), reports the pull (`fill_done`, which
-releases the node's other workers waiting for the same version), and copies into the node's slower tier
-behind the fetch. Called from threads (role hosts, the driver), never on the event loop it uses.
+ranges from them with worker-to-worker RPC (`pivotrl_gps_manifest`, `pivotrl_gps_read`), and lands the
+version in the node's fastest tier behind the fetch (`pull(..., land_behind=True)`, then `PullResult.land`
+on the store's write-behind thread; a caller that may write to its tensors gets a copy, which costs less
+than writing the tier on its path). Once landed it reports the pull (`fill_done`, which releases the
+node's other workers waiting for the same version) and copies into the node's slower tier. Called from
+threads (role hosts, the driver), never on the event loop it uses.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from pivotrl.gps.peer import (
     pull,
     replicate,
 )
+from pivotrl.gps.store import packed_clone
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +104,7 @@ class DaskPeers:
             raise NotFoundError(f"{model!r} version {version}: not in this node's tiers and no peer holds it")
         done = dict(model=model, version=version, node=self.node, worker=self.address)
         land = landing_tier(store)
-        behind = shared and land is not None  # the caller only reads: the tier is written from its memory
+        behind = land is not None  # the node's tier is written behind the return, from the pulled memory
         try:
             res = pull(store, model, version, [h.worker for h in holders], self,
                        land=land[1] if land is not None else None, land_behind=behind)
@@ -123,6 +126,8 @@ class DaskPeers:
             if done_at.rest:  # the slower node tiers behind the fetch, from the committed copy
                 store._track(store._bg.submit(self._replicate, store, done_at))
         tensors = res.tensors if wanted is None else {n: res.tensors[n] for n in wanted}
+        if behind and not shared:  # the caller may write to what it gets: its own copy, not the landing's
+            tensors = packed_clone(tensors)
         return tensors, res.manifest
 
     def _report(self, done_at: Committed, report: dict[str, Any]) -> None:

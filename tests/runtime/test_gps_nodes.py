@@ -153,8 +153,10 @@ def test_a_read_only_fetch_lands_behind_once_per_node(cluster) -> None:
     nodes = workers_by_node(client)
     _on(client, nodes["a"][0], _publish, "ro", 1)
     with concurrent.futures.ThreadPoolExecutor(2) as ex:  # the second waits for the first's landing
-        got = list(ex.map(lambda w: _on(client, w, _fetch_read_only, "ro", 1), nodes["b"]))
-    assert all(g["versions"] == [1] for g in got)
+        list(ex.map(lambda w: _on(client, w, _fetch_read_only, "ro", 1), nodes["b"]))
+    for w in nodes["b"]:
+        _on(client, w, _flush)  # the one that pulled fills the persistent tier behind its landing
+    assert all(_on(client, w, _versions, "ro") == [1] for w in nodes["b"])
     pulls = [p for p in _state(client)["pulls"] if p["model"] == "ro"]
     assert len(pulls) == 1 and pulls[0]["ok"] and pulls[0]["node"] == "b"
     copies = _state(client)["copies"]["ro@1"]
