@@ -131,7 +131,7 @@ class Controller:
             self.state.update_progress(seq, generated)
         if payload is not None:
             seq.payload = payload
-        self.meter.observe(seq.role, float(seq.generated))
+        self.meter.observe(seq.role, float(seq.generated), float(seq.prompt_tokens))
         self.state.finish(seq, now)
         return seq
 

@@ -33,16 +33,35 @@ from pivotrl.core.types import PIPELINE, Role
 #: RL lengths: p99 ≈ 10× median, DESIGN §1). After one iteration the measured longest replaces it.
 PRIOR_LONGEST_OVER_MEAN = 4.0
 
+#: Tail fractions f at which a length profile holds the length exceeded by a fraction f of the items (the
+#: median first). With the longest item they describe where a stage's tail is: the items that end a stage
+#: are the long ones that started late, and those are counted per fraction (`Stage.points`).
+TAIL_FRACTIONS = (0.5, 0.25, 0.1, 0.03, 0.01, 0.003, 0.001, 3e-4, 1e-4, 3e-5, 1e-5)
+
+#: Fractions of an iteration's groups still incomplete at which the train stage's backlog is checked.
+GROUP_FRACTIONS = (0.5, 0.25, 0.1, 0.03, 0.01, 0.003, 0.001)
+
 MODES = ("static", "dynamic", "colocated")
 
 
 @dataclass(frozen=True)
 class RoleProfile:
-    """One role's measured work in one iteration: finished items, their mean and longest length (tokens)."""
+    """One role's measured work in one iteration: finished items, their mean and longest length (tokens),
+    the lengths at `TAIL_FRACTIONS` (empty when not measured) and the mean prompt tokens an item prefilled."""
 
     count: int
     mean_tokens: float
     max_tokens: float
+    tail: tuple[float, ...] = ()
+    prompt_mean: float = 0.0
+
+
+def tail_lengths(lengths: np.ndarray) -> tuple[float, ...]:
+    """The lengths exceeded by each of `TAIL_FRACTIONS` of `lengths` (empty for no lengths)."""
+    if lengths.size == 0:
+        return ()
+    q = np.quantile(lengths, [1.0 - f for f in TAIL_FRACTIONS])
+    return tuple(float(x) for x in q)
 
 
 @dataclass(frozen=True)
@@ -59,23 +78,28 @@ class IterationProfile:
 
 
 class IterationMeter:
-    """Accumulates finished lengths per role for the iteration in progress (O(1) per finished item)."""
+    """Accumulates finished lengths per role for the iteration in progress (O(1) per finished item; the
+    tail quantiles are taken once, when the profile is read)."""
 
     def __init__(self) -> None:
         self._acc: dict[Role, list[float]] = {}
+        self._lengths: dict[Role, list[float]] = {}
         self.started_at: float | None = None
         self.iteration = -1
 
     def begin(self, iteration: int, now: float) -> None:
         self._acc = {}
+        self._lengths = {}
         self.started_at = now
         self.iteration = iteration
 
-    def observe(self, role: Role, tokens: float) -> None:
-        acc = self._acc.setdefault(role, [0.0, 0.0, 0.0])
+    def observe(self, role: Role, tokens: float, prompt_tokens: float = 0.0) -> None:
+        acc = self._acc.setdefault(role, [0.0, 0.0, 0.0, 0.0])
         acc[0] += 1
         acc[1] += tokens
         acc[2] = max(acc[2], tokens)
+        acc[3] += prompt_tokens
+        self._lengths.setdefault(role, []).append(tokens)
 
     def profile(
         self, now: float, mode: str, predicted_s: float, costs: ShiftCostModel
@@ -83,7 +107,14 @@ class IterationMeter:
         """The profile of the iteration that ends `now` (None before the first one began)."""
         if self.started_at is None:
             return None
-        roles = {r: RoleProfile(int(a[0]), a[1] / a[0], a[2]) for r, a in self._acc.items() if a[0] > 0}
+        roles = {
+            r: RoleProfile(
+                int(a[0]), a[1] / a[0], a[2], tail_lengths(np.asarray(self._lengths.get(r, ()), dtype=float)),
+                a[3] / a[0],
+            )
+            for r, a in self._acc.items()
+            if a[0] > 0
+        }
         shift = {r: shift_in(costs, r) for r in PIPELINE}
         return IterationProfile(self.iteration, now - self.started_at, mode, predicted_s, roles, shift)
 
@@ -109,43 +140,118 @@ class Stage:
     cap: float  # items per replica at once
     shift_s: float  # seconds for a device to take up this role
     decode: bool  # a generation stage: an item takes one step per token
+    prefill_s: float = 0.0  # seconds one replica pauses to prefill one item's prompt
+    tail: tuple[float, ...] = ()  # lengths at TAIL_FRACTIONS (empty: only the mean and the longest known)
+    group: int = 1  # items per group (the train stage's items arrive by whole groups)
 
     def step(self, conc: np.ndarray) -> np.ndarray:
         return self.a + self.b * self.k * conc
 
-    def timing(self, m: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(drain time of all its work, end time of its longest item) with `m` replicas, items spread evenly.
+    def points(self) -> tuple[np.ndarray, np.ndarray]:
+        """(f, length): a fraction f of the items is at least `length` long, for the tail fractions that
+        hold at least one item, down to the longest (f = 1 / seqs)."""
+        n = max(self.seqs, 1.0)
+        fs, ls = [0.5], [self.tail[0] if self.tail else self.mean]
+        for f, x in zip(TAIL_FRACTIONS[1:], self.tail[1:]):
+            if f * n > 1.0:
+                fs.append(f)
+                ls.append(x)
+        fs.append(1.0 / n)
+        ls.append(self.longest)
+        return np.asarray(fs), np.maximum.accumulate(np.asarray(ls, dtype=float))
 
-        The longest item starts, on average, halfway through the part of the drain during which items
-        still queue (at once when every item fits), then takes one step per token at the full batch's
-        step time: a stage ends with its drain or with that item, whichever is later. (Measured on the paper
-        reconstruction's rollout, 6 replicas: drain 190 s, with the longest item 276 s; simulated 266 s.)
-        """
+    def length_at(self, f: np.ndarray) -> np.ndarray:
+        """The length exceeded by a fraction `f` of the items (log-interpolated between the points)."""
+        fs, ls = self.points()
+        x = np.log(np.clip(f, fs[-1], 1.0))
+        return np.interp(-x, -np.log(fs), ls)
+
+    def _batch(self, m: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         m = np.maximum(np.asarray(m, dtype=float), 1e-12)
-        conc = np.minimum(self.cap, np.maximum(self.seqs / m, 1.0))
-        step = self.step(conc)
+        per = np.maximum(self.seqs / m, 1.0)  # items per replica
+        conc = np.minimum(self.cap, per)
+        return per, conc, self.step(conc)
+
+    def timing(self, m: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(drain time of all its work, end time of its last item) with `m` replicas, items spread evenly
+        and all available at once.
+
+        Drain: every item's tokens at the full batch's rate, plus each item's prompt prefill, which pauses
+        its replica (`prefill_s`). The items past the first batch start while the queue drains (the queued
+        part of the drain, `q`); of the f·n items at least `length_at(f)` long, the last starts at about
+        q·(1 − 1/(f·n + 1)) and then takes one step per token at the full batch's step time, after the
+        first batch's prefill. A stage ends with its drain or with the latest of those (for the longest
+        item alone: halfway through the queued part, as measured on the paper reconstruction's rollout).
+        """
+        per, conc, step = self._batch(m)
+        m = np.maximum(np.asarray(m, dtype=float), 1e-12)
         rate = np.minimum(m, max(self.seqs, 1.0)) * conc * self.k / step  # work per second
         drain = self.seqs * self.mean / np.maximum(rate, 1e-300)  # tokens over tokens/s
         if not self.decode:
             return drain, drain + step
-        queued = 0.5 * np.maximum(0.0, 1.0 - self.cap * m / max(self.seqs, 1.0))
-        return drain, np.maximum(drain, queued * drain + self.longest * step)
+        drain = drain + per * self.prefill_s
+        q = np.maximum(0.0, 1.0 - conc / per) * drain
+        first = conc * self.prefill_s
+        end = drain
+        fs, ls = self.points()
+        n = max(self.seqs, 1.0)
+        for f, length in zip(fs, ls):
+            end = np.maximum(end, q * (1.0 - 1.0 / (f * n + 1.0)) + length * step + first)
+        return drain, end
+
+    def emitted(self, m: np.ndarray, f: float) -> np.ndarray:
+        """When all but a fraction `f` of the items have ended (the f·n last to end are still running): the
+        drain's share of them, or, for each point (fp, length) with fp ≥ f, the (f·n)-th latest start
+        among the fp·n items at least `length` long (q·(1 − f·n / (fp·n + 1)), starts uniform over the
+        queued part q) plus that length at the full batch's step time. f = 1/n gives `timing`'s end."""
+        drain, _ = self.timing(m)
+        if f * max(self.seqs, 1.0) <= 1.0 + 1e-9:
+            f = 0.0  # the last item: the whole drain
+        if not self.decode:
+            return drain * (1.0 - f)
+        per, conc, step = self._batch(m)
+        q = np.maximum(0.0, 1.0 - conc / per) * drain
+        n = max(self.seqs, 1.0)
+        out = drain * (1.0 - f)
+        fs, ls = self.points()
+        for fp, length in zip(fs, ls):
+            if fp * n >= f * n - 1e-9:
+                start = q * np.maximum(0.0, 1.0 - max(f * n, 1.0) / (fp * n + 1.0))
+                out = np.maximum(out, start + length * step + conc * self.prefill_s)
+        return out
+
+    def after(self, up_emitted: dict[float, np.ndarray], m: np.ndarray, f: float) -> np.ndarray:
+        """When all but a fraction `f` of this stage's items have ended, its items arriving as the upstream
+        stage ends them (`up_emitted`: upstream fraction fa -> when all but fa of them have ended): of the
+        fa·n last to arrive, a fraction f/fa is at least `length_at(f/fa)` long and runs at this stage's
+        step time after its prefill. Never before its own emission with every item available."""
+        own = self.emitted(m, f)
+        _, _, step = self._batch(m)
+        for fa, t in up_emitted.items():
+            if fa >= f:
+                length = self.length_at(np.asarray(f / fa))
+                own = np.maximum(own, t + length * step + self.prefill_s)
+        return own
 
     def last_item_s(self) -> float:
         """An item started alone after its upstream finished (the tail end of the chain)."""
         one = float(self.step(np.asarray(1.0)))
-        return self.mean * one if self.decode else one
+        return self.mean * one + self.prefill_s if self.decode else one
 
     def peak_weight(self) -> float:
         """Device-seconds per unit of work at full batch."""
         return self.g * float(self.step(np.asarray(self.cap))) / (self.cap * self.k)
+
+    def work_device_s(self) -> float:
+        """Device-seconds of the stage's whole work at full batch, prefill included."""
+        return self.seqs * (self.mean * self.peak_weight() + self.g * self.prefill_s)
 
 
 def stages(
     state: ClusterState, costs: ShiftCostModel, last: IterationProfile | None
 ) -> dict[Role, Stage] | None:
     """The iteration's work per role: from the `IterationPlan` and the priors, or — once an iteration was
-    measured — its measured lengths (mean and longest) per role. None without a plan."""
+    measured — its measured lengths (mean, tail and longest) per role. None without a plan."""
     plan = state.plan
     if plan is None or not all(r in state.roles for r in PIPELINE):
         return None
@@ -157,13 +263,31 @@ def stages(
         Role.TRAIN: item,
     }
     longest = {r: v * (PRIOR_LONGEST_OVER_MEAN if r is not Role.TRAIN else 1.0) for r, v in means.items()}
+    if plan.rollout_tokens_longest > 0:
+        longest[Role.ROLLOUT] = plan.rollout_tokens_longest
+    if plan.reward_tokens_longest > 0:
+        longest[Role.REWARD] = plan.reward_tokens_longest
+    tails: dict[Role, tuple[float, ...]] = {
+        Role.ROLLOUT: plan.rollout_tokens_tail,
+        Role.REWARD: plan.reward_tokens_tail,
+        Role.TRAIN: (),
+    }
+    prompts = {
+        Role.ROLLOUT: plan.rollout_prompt_tokens,
+        Role.REWARD: plan.reward_prompt_tokens,
+        Role.TRAIN: 0.0,
+    }
     if last is not None:
         for r, p in last.roles.items():
             if p.count > 0:
                 means[r], longest[r] = p.mean_tokens, p.max_tokens
+                if r is not Role.TRAIN:
+                    tails[r] = p.tail
+                    if p.prompt_mean > 0:
+                        prompts[r] = p.prompt_mean
     ctx = {
-        Role.ROLLOUT: means[Role.ROLLOUT],
-        Role.REWARD: means[Role.ROLLOUT] + means[Role.REWARD],
+        Role.ROLLOUT: prompts[Role.ROLLOUT] + means[Role.ROLLOUT],
+        Role.REWARD: max(prompts[Role.REWARD], means[Role.ROLLOUT]) + means[Role.REWARD],
         Role.TRAIN: 0.0,
     }
     out = {}
@@ -173,6 +297,8 @@ def stages(
         cap = float(spec.max_seqs)
         if ctx[r] > 0:
             cap = max(1.0, min(cap, math.floor(spec.kv_tokens / ctx[r])))
+        rate = spec.prefill_tokens_per_s
+        pre = prompts[r] / rate if r is not Role.TRAIN and rate > 0 else 0.0
         out[r] = Stage(
             r,
             spec.devices_per_replica,
@@ -185,20 +311,37 @@ def stages(
             cap,
             shift_in(costs, r),
             r is not Role.TRAIN,
+            pre,
+            tails[r] if len(tails[r]) == len(TAIL_FRACTIONS) else (),
+            max(int(plan.group_size), 1),
         )
     return out
 
 
 def static_makespans(st: dict[Role, Stage], reps: dict[Role, np.ndarray]) -> np.ndarray:
-    """Predicted makespan of a streaming static split (replicas per role, arrays of equal shape): the first
-    stage ends with its drain or its longest item; each later stage ends with its own drain or, after its
-    upstream ended, with one more item alone (the last arrival)."""
+    """Predicted makespan of a streaming static split (replicas per role, arrays of equal shape).
+
+    The first stage ends its items by `Stage.emitted`; the second ends each of its tail fractions after the
+    matching part of the first (`Stage.after`). Train items arrive by groups (a group is complete when all
+    its members are judged, so a fraction fg of groups is still incomplete while 1 − (1 − fg)^(1/G) of
+    the judgements are): after that point train still has fg of its work to drain. Train ends with the
+    latest of those, its own drain, and one step after the last judgement."""
     ro, rw, tr = (st[r] for r in PIPELINE)
-    _, t_ro = ro.timing(reps[Role.ROLLOUT])
-    _, e_rw = rw.timing(reps[Role.REWARD])
-    _, e_tr = tr.timing(reps[Role.TRAIN])
-    t_rw = np.maximum(e_rw, t_ro + rw.last_item_s())
-    return np.maximum(e_tr, t_rw + tr.last_item_s())
+    m_ro, m_rw, m_tr = (np.asarray(reps[r], dtype=float) for r in PIPELINE)
+    n = max(ro.seqs, 1.0)
+    fs, _ = ro.points()
+    up = {float(f): ro.emitted(m_ro, float(f)) for f in fs}
+    t_rw = np.maximum(rw.after(up, m_rw, 1.0 / n), rw.timing(m_rw)[1])
+    drain_tr, e_tr = tr.timing(m_tr)
+    end = np.maximum(e_tr, t_rw + tr.last_item_s())
+    g = max(tr.group, 1)
+    groups = max(n / g, 1.0)
+    for fg in GROUP_FRACTIONS:
+        if fg * groups < 1.0:
+            break
+        fi = 1.0 - (1.0 - fg) ** (1.0 / g)
+        end = np.maximum(end, rw.after(up, m_rw, fi) + fg * drain_tr)
+    return end
 
 
 def best_static(st: dict[Role, Stage], n_devices: int) -> tuple[dict[Role, int], float] | None:
@@ -233,7 +376,7 @@ def dynamic_makespan(st: dict[Role, Stage], n_devices: int, static_split: dict[R
     """The tick planner at its best: the fluid time plus the shifts its devices make (every device outside
     the first stage's best static share goes there and back, once each per iteration), never below the
     chain of the longest rollout at full batch, one judgement and one train step."""
-    fluid = sum(s.seqs * s.mean * s.peak_weight() for s in st.values()) / n_devices
+    fluid = sum(s.work_device_s() for s in st.values()) / n_devices
     first = st[PIPELINE[0]]
     share = (static_split or {}).get(PIPELINE[0], n_devices) / n_devices
     mean_shift = sum(s.shift_s for s in st.values()) / len(st)

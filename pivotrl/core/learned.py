@@ -69,7 +69,10 @@ def _fit(f: dict[str, Any]) -> dict[str, Any]:
 
 
 def _profile(p: dict[str, Any]) -> IterationProfile:
-    roles = {Role(r): RoleProfile(int(v[0]), float(v[1]), float(v[2])) for r, v in p["roles"].items()}
+    # [count, mean, max] (older checkpoints) or [count, mean, max, tail, prompt_mean]
+    roles = {Role(r): RoleProfile(int(v[0]), float(v[1]), float(v[2]),
+                                  tuple(float(x) for x in (v[3] if len(v) > 3 else ())),
+                                  float(v[4]) if len(v) > 4 else 0.0) for r, v in p["roles"].items()}
     shift = {Role(r): float(v) for r, v in p["shift_in_s"].items()}
     return IterationProfile(int(p["iteration"]), float(p["makespan_s"]), str(p["mode"]),
                             float(p["predicted_s"]), roles, shift)
@@ -89,7 +92,8 @@ def learned_state(ctl: Controller) -> LearnedState:
     prof = None if last is None else {
         "iteration": last.iteration, "makespan_s": last.makespan_s, "mode": last.mode,
         "predicted_s": last.predicted_s,
-        "roles": {str(r): [p.count, p.mean_tokens, p.max_tokens] for r, p in last.roles.items()},
+        "roles": {str(r): [p.count, p.mean_tokens, p.max_tokens, list(p.tail), p.prompt_mean]
+                  for r, p in last.roles.items()},
         "shift_in_s": {str(r): v for r, v in last.shift_in_s.items()}}
     return LearnedState(pairs, to, fits, prof)
 

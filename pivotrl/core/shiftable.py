@@ -36,6 +36,7 @@ class Shiftable(Policy):
         self.choice: IterationChoice | None = None
         self.history: list[IterationChoice] = []
         self._colocated = Colocated()
+        self._starting = False  # the iteration began and its first placement is not decided yet
 
     @property
     def mode(self) -> str:
@@ -46,6 +47,7 @@ class Shiftable(Policy):
     ) -> None:
         profile = last if isinstance(last, IterationProfile) else None
         self.choice = choose(state, costs, profile)
+        self._starting = True
         if self.choice is not None:
             self.history.append(self.choice)
 
@@ -64,11 +66,28 @@ class Shiftable(Policy):
         if mode == "colocated":
             return self._colocated.plan(state, costs, now)
         choice = self.choice
-        if (
-            not state.replicas
-            and choice is not None
+        starting, self._starting = self._starting, False
+        short = (
+            choice is not None
             and choice.static_split is not None
             and choice.first_stage_alone_s <= state.config.cooldown_s + choice.handoff_s
+        )
+        if short and starting and state.replicas and choice is not None and choice.static_split is not None:
+            # A later iteration's start, same reasoning as the first placement below: the first stage alone
+            # would be done before devices sent there could come back, so rather than the planner sending
+            # every idle device to the first stage (and back, cold), the allocation moves only as far as
+            # the predicted-best static split needs (docs/decisions.md#every-iteration-starts-like-the-first).
+            if any(r.state is ReplicaState.SHIFTING for r in state.replicas.values()):
+                self._starting = True  # wait for the shifts in flight; decide on a settled allocation
+                return None
+            moved = toward_split(state, choice.static_split)
+            if moved is not None:
+                return ShiftPlan(moved.dissolve, moved.form, "iteration:start-static")
+        if (
+            not state.replicas
+            and short
+            and choice is not None
+            and choice.static_split is not None
         ):
             # Dynamic, first placement. Placing a free device costs nothing, but a placed device may not move
             # for `cooldown_s` and then needs a shift to reach a downstream role: where the first stage alone

@@ -244,6 +244,13 @@ class IterationPlan:
     rollout_tokens_per_seq: expected response length, for rollouts not submitted yet.
     reward_tokens_per_rollout: expected GenRM tokens (judge output) per finished rollout.
     train_tokens_per_group: expected train tokens per finished group.
+    rollout_prompt_tokens / reward_prompt_tokens: expected prompt tokens a rollout / a judgement prefills
+        (0 = unknown); core's iteration model prices prefill with them (`iteration.stages`).
+    rollout_tokens_tail / reward_tokens_tail: expected lengths at `iteration.TAIL_FRACTIONS` (the length
+        exceeded by that fraction of items), and rollout_tokens_longest / reward_tokens_longest the
+        expected longest of the iteration; empty / 0 = unknown (a prior multiple of the mean is assumed
+        until an iteration is measured). What a runtime knows of its length distribution beforehand, e.g.
+        from the last run; the measured profile replaces them after one iteration.
     """
 
     iteration: int
@@ -252,6 +259,16 @@ class IterationPlan:
     rollout_tokens_per_seq: float = 128.0
     reward_tokens_per_rollout: float = 64.0
     train_tokens_per_group: float = 512.0
+    rollout_prompt_tokens: float = 0.0
+    reward_prompt_tokens: float = 0.0
+    rollout_tokens_tail: tuple[float, ...] = ()
+    reward_tokens_tail: tuple[float, ...] = ()
+    rollout_tokens_longest: float = 0.0
+    reward_tokens_longest: float = 0.0
+
+    def __post_init__(self) -> None:  # a plan that crossed a wire may carry lists: keep it hashable
+        for name in ("rollout_tokens_tail", "reward_tokens_tail"):
+            object.__setattr__(self, name, tuple(float(x) for x in getattr(self, name)))
 
 
 @dataclass(frozen=True)

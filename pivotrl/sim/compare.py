@@ -84,7 +84,7 @@ def model_ranked(cfg: SimConfig, splits: list[dict[str, int]]) -> list[dict[str,
     stage's longest item and the pipeline's fill and drain."""
     import numpy as np
 
-    from pivotrl.core.iteration import IterationProfile, RoleProfile, stages, static_makespans
+    from pivotrl.core.iteration import IterationProfile, RoleProfile, stages, static_makespans, tail_lengths
     from pivotrl.core.types import Role
     from pivotrl.sim.driver import build_controller, iteration_plan
     from pivotrl.sim.workload import iteration_sequences
@@ -94,7 +94,11 @@ def model_ranked(cfg: SimConfig, splits: list[dict[str, int]]) -> list[dict[str,
     seqs = iteration_sequences(cfg.workload, 0, cfg.seed)
     lens = {Role.ROLLOUT: [x.response_len for x in seqs], Role.REWARD: [x.critique_len for x in seqs],
             Role.TRAIN: [x.prompt_len + x.response_len for x in seqs]}
-    roles = {r: RoleProfile(len(v), float(np.mean(v)), float(max(v))) for r, v in lens.items()}
+    prompts = {Role.ROLLOUT: float(np.mean([x.prompt_len for x in seqs])),
+               Role.REWARD: float(np.mean([x.prompt_len + x.response_len for x in seqs]))
+               + cfg.workload.judge_template_tokens, Role.TRAIN: 0.0}
+    roles = {r: RoleProfile(len(v), float(np.mean(v)), float(max(v)),
+                            tail_lengths(np.asarray(v, dtype=float)), prompts[r]) for r, v in lens.items()}
     prof = IterationProfile(0, 0.0, "static", 0.0, roles)
     st = stages(ctl.state, ctl.shift_costs, prof)
     if st is None:

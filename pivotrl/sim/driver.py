@@ -9,9 +9,10 @@ from the simulated `on_step` samples), capacities, prefill rates, and the worklo
 from __future__ import annotations
 
 from pivotrl.core import Controller, ControllerConfig, IterationPlan, Role, RoleSpec, make_policy
+from pivotrl.core.iteration import TAIL_FRACTIONS
 from pivotrl.sim.config import SimConfig
 from pivotrl.sim.costs import shift_time
-from pivotrl.sim.workload import mean_length
+from pivotrl.sim.workload import length_profile, mean_length
 
 
 def expected(cfg: SimConfig) -> dict[str, float]:
@@ -65,8 +66,16 @@ def build_controller(cfg: SimConfig, mode: str, split: dict[str, int] | None = N
 
 
 def iteration_plan(cfg: SimConfig, iteration: int) -> IterationPlan:
+    """The plan core gets: expected lengths (means, tails, the longest of the iteration's count) from the
+    configured distributions, as a runtime would know them from its history; never the drawn lengths."""
     wl, e = cfg.workload, expected(cfg)
-    return IterationPlan(iteration, rollout_seqs=wl.prompts_per_iteration * wl.group_size,
+    n = wl.prompts_per_iteration * wl.group_size
+    ro_tail, ro_max = length_profile(wl.response_len, n, TAIL_FRACTIONS)
+    rw_tail, rw_max = length_profile(wl.critique_len, n, TAIL_FRACTIONS)
+    return IterationPlan(iteration, rollout_seqs=n,
                          group_size=wl.group_size, rollout_tokens_per_seq=e["response"],
                          reward_tokens_per_rollout=e["critique"],
-                         train_tokens_per_group=wl.group_size * e["train_item"])
+                         train_tokens_per_group=wl.group_size * e["train_item"],
+                         rollout_prompt_tokens=e["prompt"], reward_prompt_tokens=e["judge_prompt"],
+                         rollout_tokens_tail=ro_tail, reward_tokens_tail=rw_tail,
+                         rollout_tokens_longest=ro_max, reward_tokens_longest=rw_max)

@@ -34,6 +34,16 @@ def mean_length(dist: LengthDist, rng_seed: int = 12345, n: int = 200_000) -> fl
     return float(draw_lengths(dist, n, np.random.default_rng(rng_seed)).mean())
 
 
+def length_profile(dist: LengthDist, n: int, fractions: tuple[float, ...],
+                   rng_seed: int = 12345, draws: int = 200_000) -> tuple[tuple[float, ...], float]:
+    """What a runtime may know of a length distribution before measuring (as `mean_length`, by sampling
+    the configured distribution, never the iteration's own draws): the lengths exceeded by each of
+    `fractions` of the items, and the expected longest of `n` items (the 1 - 1/(n + 1) quantile)."""
+    x = draw_lengths(dist, draws, np.random.default_rng(rng_seed)).astype(float)
+    tail = tuple(float(v) for v in np.quantile(x, [1.0 - f for f in fractions]))
+    return tail, float(np.quantile(x, 1.0 - 1.0 / (max(n, 1) + 1.0)))
+
+
 @dataclass(slots=True)
 class SeqSpec:
     """One rollout sequence of one iteration, with its (hidden) true lengths."""

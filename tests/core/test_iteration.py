@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from pivotrl.core import Controller, IterationPlan, Role, RoleSpec
 from pivotrl.core.iteration import (
+    TAIL_FRACTIONS,
     IterationMeter,
     IterationProfile,
     RoleProfile,
@@ -19,6 +20,7 @@ from pivotrl.core.iteration import (
     choose,
     stages,
     static_makespans,
+    tail_lengths,
 )
 from pivotrl.core.shiftable import Shiftable, toward_split
 from pivotrl.core.shiftcost import ShiftCostModel
@@ -159,7 +161,10 @@ def test_controller_hands_the_policy_the_last_iterations_profile() -> None:
     ctl.begin_iteration(IterationPlan(1, rollout_seqs=4, group_size=4), 7.0)
     prof = ctl.profiles[-1]
     assert prof.iteration == 0 and prof.makespan_s == 7.0 and prof.mode == "dynamic"
-    assert prof.roles[Role.ROLLOUT] == RoleProfile(4, 14.0, 30.0)
+    got = prof.roles[Role.ROLLOUT]
+    assert (got.count, got.mean_tokens, got.max_tokens) == (4, 14.0, 30.0)
+    assert len(got.tail) == len(TAIL_FRACTIONS) and got.tail[-1] <= 30.0   # lengths at the tail fractions
+    assert got.prompt_mean > 0   # the prompts the rollouts prefilled
     assert ctl.log[-1]["iteration_choice"]["mode"] in ("static", "dynamic", "colocated")
     assert policy.history[-1].scale == prof.makespan_s / prof.predicted_s
 
@@ -177,3 +182,69 @@ def test_a_held_static_plan_places_the_predicted_split() -> None:
     assert placed == policy.choice.static_split
     ready(ctl, 1.0)
     assert ctl.tick(1.0) is None   # held: nothing moves while the split stands
+
+
+@FEW
+@given(lengths=st.lists(st.integers(1, 50_000), min_size=1, max_size=300))
+def test_tail_lengths_are_the_quantiles_and_grow_toward_the_longest(lengths: list[int]) -> None:
+    x = np.asarray(lengths, dtype=float)
+    tail = tail_lengths(x)
+    assert len(tail) == len(TAIL_FRACTIONS)
+    assert all(a <= b + 1e-9 for a, b in itertools.pairwise(tail))   # rarer fractions are longer
+    assert min(lengths) - 1e-9 <= tail[0] and tail[-1] <= max(lengths) + 1e-9
+    assert abs(tail[0] - float(np.median(x))) <= 1e-9 * max(lengths)
+
+
+@FEW
+@given(stg=stages_strategy, base=st.tuples(st.integers(1, 20), st.integers(1, 20), st.integers(1, 20)),
+       prefill=st.tuples(st.floats(0, 0.05), st.floats(0, 0.05)))
+def test_prefill_never_speeds_a_split_and_a_split_never_beats_a_stage_drain(
+        stg: dict[Role, Stage], base: tuple[int, int, int], prefill: tuple[float, float]) -> None:
+    """Prefill is work: pricing it can only lengthen the prediction. And no stage ends before it has
+    drained its own work (the prediction is never below any stage's drain)."""
+    reps = {r: np.asarray(float(c)) for r, c in zip(PIPELINE, base)}
+    with_prefill = dict(stg)
+    for role, pre in zip(PIPELINE[:2], prefill):
+        with_prefill[role] = dataclasses.replace(stg[role], prefill_s=pre)
+    t0 = float(static_makespans(stg, reps))
+    t1 = float(static_makespans(with_prefill, reps))
+    assert t1 >= t0 * (1 - 1e-9)
+    for role in PIPELINE:
+        drain, end = with_prefill[role].timing(reps[role])
+        assert float(end) >= float(drain) * (1 - 1e-12)
+        assert t1 >= float(drain) * (1 - 1e-9)
+
+
+@FEW
+@given(stg=stages_strategy, m=st.integers(1, 40),
+       fs=st.lists(st.floats(1e-5, 1.0), min_size=2, max_size=2))
+def test_fewer_items_left_is_later(stg: dict[Role, Stage], m: int, fs: list[float]) -> None:
+    """`emitted(f)`: when all but a fraction f of a stage's items have ended — later for a smaller f, and
+    never after the stage's end."""
+    s = stg[Role.ROLLOUT]
+    lo, hi = sorted(fs)
+    t_lo, t_hi = float(s.emitted(np.asarray(m), lo)), float(s.emitted(np.asarray(m), hi))
+    assert t_lo >= t_hi * (1 - 1e-9)
+    assert float(s.emitted(np.asarray(m), 1.0 / max(s.seqs, 1.0))) <= float(s.timing(np.asarray(m))[1]) * (
+        1 + 1e-9) + 1e-9
+
+
+def test_a_later_iteration_starts_on_the_static_split_when_the_first_stage_is_short() -> None:
+    """At a later iteration's start, with the first stage alone shorter than a cooldown plus a shift, the
+    allocation moves toward the predicted split (not every device to the first stage and back)."""
+    cfg = ControllerConfig(roles={r: RoleSpec(max_seqs=64, kv_tokens=10**6) for r in PIPELINE},
+                           cooldown_s=0.0)
+    policy = Shiftable()
+    ctl = Controller(policy, devices=[f"d{i}" for i in range(6)], config=cfg)
+    for i in range(6):   # the end of an iteration left every device on train
+        ctl.request_shift(f"d{i}", Role.TRAIN, 0.0)
+    ready(ctl, 1.0)
+    ctl.begin_iteration(IterationPlan(1, rollout_seqs=48, group_size=4, rollout_tokens_per_seq=8), 2.0)
+    choice = policy.choice
+    assert choice is not None and choice.static_split is not None
+    policy.choice = dataclasses.replace(choice, first_stage_alone_s=0.0)   # short, whatever was predicted
+    dec = ctl.tick(2.0)
+    assert dec is not None and dec.stimulus == "iteration:start-static"
+    moved = {r: sum(len(s.devices) for s in dec.shifts if s.to_role is r) for r in PIPELINE}
+    for r in PIPELINE[:2]:
+        assert moved[r] == choice.static_split[r]   # exactly the split's share, no more
