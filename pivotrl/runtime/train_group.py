@@ -1,18 +1,21 @@
-"""The train group's mechanism: a `torch.distributed` group of the train-role devices, a bucketed all-reduce
-of their gradient sums, ZeRO-1 (each rank steps AdamW on the tensors it owns), and the new version written
-by the ranks — each its shard — and committed by rank 0.
+"""The train group's mechanism: a `torch.distributed` group of the train-role devices, a bucketed
+reduce-scatter of their gradient sums to the ranks that own them, ZeRO-1 (each rank steps AdamW on the
+tensors it owns), and the new version written by the ranks — each its shard — and committed by rank 0.
 
 Decisions (who is rank r, which tensors it owns, the buckets) come from `pivotrl.core.train_group`; this
-module only executes them. Why all-reduce and not reduce-scatter: every rank then holds the whole reduced
-gradient, so the clip scale is computed from the full gradient exactly as the single optimizer owner does
-(`pivotrl.engines.trainer.prepare_step`), with no second collective for the norm; the optimizer state —
-two moments per weight, the memory ZeRO-1 exists to divide — is still held once across the ranks. Why
-torch AdamW on the owned parameters (a `GRPOTrainer` whose other parameters never get a gradient, so torch
-allocates no state for them): with one rank this *is* the single-owner step, bit for bit.
+module only executes them. Why a reduce-scatter and not an all-reduce: a rank reads only its own tensors'
+reduced gradient, and the clip needs of the others only their norms — each rank computes its own tensors'
+norms and one small all-reduce of the per-tensor norm vector (zeros elsewhere: exact) gives every rank the
+single owner's vector (`pivotrl.engines.trainer.prepare_step(reduce_norms=...)`), so the clip scale is the
+single owner's bit for bit, while the gradient bytes move once instead of twice. The owner adds the parts
+in rank order, the order the single owner reduces the same sums in. Why torch AdamW on the owned
+parameters (a `GRPOTrainer` whose other parameters never get a gradient, so torch allocates no state for
+them): with one rank this *is* the single-owner step, bit for bit.
 
 Every collective waits at most `timeout_s`; a rank that does not answer makes the others raise
 `TrainGroupLost` (one line), and rank 0 commits a version only after every rank reported its shard
-written, so a lost rank leaves nothing half-committed.
+written, so a lost rank leaves nothing half-committed. The optimizer state and the store's gc run behind
+the barrier (`Behind`), at the lowest CPU priority, and the next step (or a checkpoint) finishes them.
 """
 
 from __future__ import annotations
