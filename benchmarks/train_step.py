@@ -68,13 +68,16 @@ def make_sum(policy: str, version: int, gps: dict[str, Any], name: str, seed: in
     return out
 
 
-def read_version(policy: str, version: int, gps: dict[str, Any]) -> int:
-    """On a worker: a rollout device loading the new version (the barrier ends when it has it)."""
+def read_version(policy: str, version: int, gps: dict[str, Any]) -> float:
+    """On a worker: a rollout device loading the new version (the barrier ends when it has it); returns
+    the seconds the fetch itself took (the rest of `read` is the task's round trip)."""
     from pivotrl.gps import ParameterStore
 
+    t0 = time.perf_counter()
     with ParameterStore(gps["root"], device_tier_bytes=0) as store:
         sd = store.fetch(policy, version)
-        return sum(t.numel() for t in sd.values())
+        assert sum(t.numel() for t in sd.values()) > 0
+    return time.perf_counter() - t0
 
 
 def step_phases(stats: dict[str, Any], rank_phases: list[dict[str, float]]) -> dict[str, float]:
@@ -145,7 +148,7 @@ def child(design: str, sizes: list[str], repeats: int, root: Path) -> dict[str, 
                 t0 = time.perf_counter()
                 nv = up.apply(grads, rep)
                 t1 = time.perf_counter()
-                client.submit(read_version, name, nv, gps, workers=workers[1:], pure=False).result()
+                fetch_s = client.submit(read_version, name, nv, gps, workers=workers[1:], pure=False).result()
                 t2 = time.perf_counter()
                 dt = t2 - t0
                 # The sharded owner writes the optimizer state behind the barrier (it overlaps the read
@@ -154,7 +157,7 @@ def child(design: str, sizes: list[str], repeats: int, root: Path) -> dict[str, 
                 if hasattr(up, "settle"):
                     up.settle()
                 got = step_phases(up.last_stats, getattr(up, "last_phases", []))
-                got.update(apply=t1 - t0, read=t2 - t1, behind=time.perf_counter() - t2)
+                got.update(apply=t1 - t0, read=t2 - t1, read_fetch=fetch_s, behind=time.perf_counter() - t2)
                 if rep > 0:
                     times.append(dt)
                     for k, x in got.items():

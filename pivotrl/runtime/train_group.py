@@ -36,10 +36,11 @@ from pivotrl.core.train_group import TrainGroupPlan, owner_buckets, shard_ranges
 from pivotrl.engines.trainer import GradSum, GRPOTrainer, StepStats, prepare_step, reduce
 from pivotrl.gps import shards
 
-#: Elements per all-reduce bucket (4 M fp32 = 16 MB; torch DDP's default is 25 MB). Fewer, larger
-#: collectives suit gloo's per-call latency on CPU; measured on 2 gloo ranks of one host, 63 M fp32: 4 M and
-#: 16 M buckets both ~0.2 s, and a bucket is also the extra memory a rank holds while packing.
-BUCKET_ELEMS = 1 << 22
+#: Elements per reduce-scatter bucket (256 K fp32 = 1 MB). A tensor at least this large is a message of its
+#: own, sent from (and summed into) its own memory; smaller consecutive ones are packed into one. A
+#: message of 1 MB and up already runs near gloo's loopback bandwidth, so a larger cap would only add
+#: packing copies (with 4 M-element buckets, packing the medium policy's sum cost ~0.2 s a step).
+BUCKET_ELEMS = 1 << 18
 _ID_BYTES = 96
 log = logging.getLogger(__name__)
 
@@ -282,8 +283,7 @@ class TrainRank:
         with self.phase("pack"):
             for b, (owner, run) in enumerate(self.buckets):
                 names = [self.names[i] for i in run]
-                flat = torch.cat([(own.grads[n] if n in own.grads else torch.zeros_like(t.params[n]))
-                                  .detach().reshape(-1) for n in names])
+                flat = self._flat(own, names)
                 what = f"reduce-scatter of gradient bucket {names[0]}.."
                 if owner != g.rank:
                     pending.append((g.send(flat, owner, b), what))
@@ -312,8 +312,20 @@ class TrainRank:
                        loss_sum=float(vec[2]), pg_sum=float(vec[3]), kl_ref_sum=float(vec[4]),
                        kl_old_sum=float(vec[5]), clipped=int(vec[6]), nonfinite=bool(vec[7] > 0))
 
+    def _flat(self, own: GradSum, names: list[str]) -> torch.Tensor:
+        """One bucket of this rank's sum as one flat tensor: a tensor alone in its bucket is sent (or
+        summed into, by its owner) as a view of itself — no copy; a bucket of small tensors is packed.
+        Why: packing the whole model's gradient was a copy of every byte before the exchange."""
+        if len(names) == 1 and names[0] in own.grads and own.grads[names[0]].is_contiguous():
+            return own.grads[names[0]].detach().view(-1)
+        return torch.cat([(own.grads[n] if n in own.grads else torch.zeros_like(self.trainer.params[n]))
+                          .detach().reshape(-1) for n in names])
+
     def step(self, local: GradSum | None, folded: Sequence[GradSum] = ()) -> StepStats:
-        """All-reduce, then AdamW on the owned tensors only; the version advances on every rank."""
+        """Reduce-scatter, then AdamW on the owned tensors only; the version advances on every rank.
+
+        The sums are consumed: their tensors may be reused in place (a flushed sum handed over, or one
+        read from the store, is the rank's alone)."""
         self.phases = {}
         with self.phase("settle"):
             self.settle()
