@@ -34,3 +34,11 @@ def take(model: str, version: int) -> Any | None:
             return None
         del _HANDED[model]
         return got[1]
+
+
+def drop(model: str) -> None:
+    """Forget the sum kept under `model` (its train context is offloaded: the device leaves the train
+    role, and a departed device's sum is read from the store by rank 0 — memory, on a GPU above all, is
+    not held for a rank that will not run here)."""
+    with _LOCK:
+        _HANDED.pop(model, None)

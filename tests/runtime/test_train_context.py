@@ -122,3 +122,9 @@ def test_flush_hands_the_sum_over_to_this_devices_rank_only_when_asked(debug_mod
             stored = gps.fetch(g.model, g.version)
             assert got.tokens == g.stats.tokens
             assert all(torch.equal(stored[n], t) for n, t in got.grads.items())
+            ctx.load(env, sd)  # flushed again, then the device leaves the train role: nothing is kept
+            ctx.add(WorkItem("t1", "train", {"prompt_ids": [1, 4], "response_ids": [6], "advantage": 1.0}))
+            ctx.step()
+            g = ctx.flush()
+            ctx.offload()
+            assert take(g.model, g.version) is None
