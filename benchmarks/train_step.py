@@ -11,8 +11,19 @@ each worker holding one flushed sum (two train replicas). The driver-owned desig
 Each design runs in its own driver subprocess, so each one's `ru_maxrss` is its own peak.
 
 Keys: `barrier_s_driver`, `barrier_s_sharded` (per size: medians over the repeats), `ratio_barrier_speedup`
-(driver / sharded at the larger size), `driver_peak_rss_mb_driver`, `driver_peak_rss_mb_sharded`.
-Printed last: the ratio.
+(driver / sharded at the larger size), `driver_peak_rss_mb_driver`, `driver_peak_rss_mb_sharded`, and
+`phases_driver` / `phases_sharded` (per size, the median seconds of each phase: where the barrier went).
+Driver phases: `fetch` (the sums from the store), `step` (reduce, clip, AdamW), `publish`. Sharded: `plan`
+(the scheduler call), then per phase the slowest rank (`r<i>.<phase>` each rank's own): `dispatch` (task
+start minus submit), `form` (group formation, 0 while membership holds), `fetch` (sums not handed over in
+memory), `settle` (the previous step's behind-the-barrier write, if still running), `counts`, `pack`,
+`exchange` and `sum` (the bucketed reduce-scatter), `clip`, `adam`, `targets`, `shard_write`,
+`written_barrier`, `commit`. Both: `apply` (the updater's whole step), `read` (the rollout device's load),
+and `behind`: the optimizer-state write and gc the sharded ranks do after the barrier (overlapping `read`;
+a run has a whole iteration before the next barrier, so here it is let finish, untimed, between repeats).
+
+Both drivers and the workers keep freed heap memory (`pivotrl.malloc.keep_freed_memory`), as `pivotrl.run`
+and the worker plugin set them up in a run. Printed last: the ratio.
 """
 
 from __future__ import annotations
@@ -32,12 +43,16 @@ from typing import Any
 SIZES = ("small", "medium")
 
 
-def make_sum(policy: str, version: int, gps: dict[str, Any], name: str, seed: int) -> dict[str, Any]:
+def make_sum(policy: str, version: int, gps: dict[str, Any], name: str, seed: int,
+             hand_over: bool = False) -> dict[str, Any]:
     """On a worker: a train replica's flushed sum — random gradients of the policy's shapes — published
-    under `name`; returns what its `GradResult` would carry."""
+    under `name` (and, for the sharded owner, handed over in memory to the rank on this device, as
+    `TrainContext.flush` does with `hand_over` set); returns what its `GradResult` would carry."""
     import torch
 
+    from pivotrl.engines.trainer import GradSum
     from pivotrl.gps import ParameterStore
+    from pivotrl.runtime.handover import hand_over as keep_for_rank
 
     torch.set_num_threads(1)
     with ParameterStore(gps["root"], device_tier_bytes=0, write_behind=False) as store:
@@ -46,22 +61,46 @@ def make_sum(policy: str, version: int, gps: dict[str, Any], name: str, seed: in
         grads = {t.name: torch.randn(t.shape, generator=g) * 1e-3 for t in man.tensors}
         v = max(store.versions(name), default=-1) + 1 if name in store.models() else 0
         store.publish(name, v, grads)
-    return {"model": name, "version": v, "tokens": 1000 + seed, "samples": 8}
+    out = {"model": name, "version": v, "tokens": 1000 + seed, "samples": 8}
+    if hand_over:
+        gs = GradSum(grads=grads, tokens=out["tokens"], samples=8, version=version)
+        keep_for_rank(name, v, gs)
+    return out
 
 
-def read_version(policy: str, version: int, gps: dict[str, Any]) -> int:
-    """On a worker: a rollout device loading the new version (the barrier ends when it has it)."""
+def read_version(policy: str, version: int, gps: dict[str, Any]) -> float:
+    """On a worker: a rollout device loading the new version (the barrier ends when it has it); returns
+    the seconds the fetch itself took (the rest of `read` is the task's round trip)."""
     from pivotrl.gps import ParameterStore
 
+    t0 = time.perf_counter()
     with ParameterStore(gps["root"], device_tier_bytes=0) as store:
         sd = store.fetch(policy, version)
-        return sum(t.numel() for t in sd.values())
+        assert sum(t.numel() for t in sd.values()) > 0
+    return time.perf_counter() - t0
+
+
+def step_phases(stats: dict[str, Any], rank_phases: list[dict[str, float]]) -> dict[str, float]:
+    """Seconds per phase of one step, from the updater's `last_stats`: the driver owner's fetch / step /
+    publish; for the train group the driver's plan call and, per phase, the slowest rank (`r<i>.<phase>`
+    keeps each rank's own figure too)."""
+    out = {k[:-2]: float(stats[k]) for k in ("fetch_s", "step_s", "publish_s", "plan_s", "ranks_s")
+           if k in stats}
+    for i, ph in enumerate(rank_phases):
+        for k, x in ph.items():
+            out[k] = max(out.get(k, 0.0), float(x))
+            out[f"r{i}.{k}"] = float(x)
+    return out
 
 
 def _set_threads() -> None:
+    """A device worker as the pivotrl worker plugin sets it up: one torch thread, freed memory kept."""
     import torch
 
+    from pivotrl.malloc import keep_freed_memory
+
     torch.set_num_threads(1)
+    keep_freed_memory()
 
 
 def child(design: str, sizes: list[str], repeats: int, root: Path) -> dict[str, Any]:
@@ -72,11 +111,13 @@ def child(design: str, sizes: list[str], repeats: int, root: Path) -> dict[str, 
     from pivotrl.engines.checkpoints import PAD_ID, ensure_model
     from pivotrl.gps import ParameterStore
     from pivotrl.grpo import PolicyUpdater
+    from pivotrl.malloc import keep_freed_memory
     from pivotrl.runtime.messages import GradResult, GradStats
     from pivotrl.runtime.train_plugin import TrainGroupPlugin
     from pivotrl.runtime.train_worker import publish_initial
     from pivotrl.sharded_updater import ShardedUpdater
 
+    keep_freed_memory()  # as `pivotrl.run` does for the driver (its optimizer steps)
     out: dict[str, Any] = {}
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as lc, \
             Client(lc) as client:
@@ -96,22 +137,35 @@ def child(design: str, sizes: list[str], repeats: int, root: Path) -> dict[str, 
                 client.submit(publish_initial, name, str(hf), gps, workers=workers[:1]).result()
                 up = ShardedUpdater(cfg, client, gps, str(hf), PAD_ID, timeout_s=600)
             times = []
+            phases: dict[str, list[float]] = {}
             for rep in range(repeats + 1):
                 v = up.version
-                refs = [client.submit(make_sum, name, v, gps, f"grad-w{i}", 100 * rep + i, workers=[w],
-                                      pure=False) for i, w in enumerate(workers)]
+                refs = [client.submit(make_sum, name, v, gps, f"grad-w{i}", 100 * rep + i,
+                                      design == "sharded", workers=[w], pure=False)
+                        for i, w in enumerate(workers)]
                 grads = [GradResult(r["model"], r["version"], [], GradStats(r["tokens"], r["samples"], v),
                                     worker=w) for r, w in zip(client.gather(refs), workers, strict=True)]
                 t0 = time.perf_counter()
                 nv = up.apply(grads, rep)
-                client.submit(read_version, name, nv, gps, workers=workers[1:], pure=False).result()
-                dt = time.perf_counter() - t0
+                t1 = time.perf_counter()
+                fetch_s = client.submit(read_version, name, nv, gps, workers=workers[1:], pure=False).result()
+                t2 = time.perf_counter()
+                dt = t2 - t0
+                # The sharded owner writes the optimizer state behind the barrier (it overlaps the read
+                # above, and in a run the whole next iteration); here the next barrier follows at once, so
+                # it is let finish between the two, untimed, and reported as `behind`.
+                if hasattr(up, "settle"):
+                    up.settle()
+                got = step_phases(up.last_stats, getattr(up, "last_phases", []))
+                got.update(apply=t1 - t0, read=t2 - t1, read_fetch=fetch_s, behind=time.perf_counter() - t2)
                 if rep > 0:
                     times.append(dt)
-                phases = {k: round(up.last_stats[k], 3) for k in ("fetch_s", "step_s", "publish_s")
-                          if k in up.last_stats}
-                print(f"{design} {size} rep {rep}: {dt:.3f}s {phases}", file=sys.stderr, flush=True)
+                    for k, x in got.items():
+                        phases.setdefault(k, []).append(x)
+                shown = {k: round(x, 3) for k, x in got.items()}
+                print(f"{design} {size} rep {rep}: {dt:.3f}s {shown}", file=sys.stderr, flush=True)
             out[size] = statistics.median(times)
+            out[f"phases_{size}"] = {k: round(statistics.median(xs), 4) for k, xs in phases.items()}
     out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return out
 
@@ -146,11 +200,15 @@ def main(argv: list[str] | None = None) -> int:
         "driver_peak_rss_mb_driver": got["driver"]["peak_rss_mb"],
         "driver_peak_rss_mb_sharded": got["sharded"]["peak_rss_mb"],
         "ratio_barrier_speedup": got["driver"][big] / got["sharded"][big],
+        # Where each barrier went (medians per phase, seconds): `apply` is the updater's whole step,
+        # `read` the rollout device's fetch of the new version; see `step_phases` for the rest.
+        "phases_driver": {s: got["driver"][f"phases_{s}"] for s in sizes},
+        "phases_sharded": {s: got["sharded"][f"phases_{s}"] for s in sizes},
     }
     if a.json:
         a.json.write_text(json.dumps(result, indent=2))
     for k, v in result.items():
-        if k != "ratio_barrier_speedup":
+        if k != "ratio_barrier_speedup" and not k.startswith("phases_"):
             print(f"{k}: {v}")
     print(f"ratio_barrier_speedup: {result['ratio_barrier_speedup']:.3f}")
     return 0

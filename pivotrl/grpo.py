@@ -143,17 +143,24 @@ class PolicyUpdater:
         if not grads:  # no sample of the slice had a response to learn from
             self.last_stats = {"skipped": 1.0}
             return self.version
+        t0 = time.perf_counter()
         sums = [GradSum(grads=self.gps.fetch(g.model, int(g.version)), **g.stats.as_kwargs()) for g in grads]
         faults.point("optimizer_step")
+        t1 = time.perf_counter()
         stats = self.trainer.apply(reduce(sums))
+        t2 = time.perf_counter()
         self.last_stats = stats.as_dict()
         self.last_stats["replica_sums"] = len(sums)
         for model in {g.model for g in grads}:
             with contextlib.suppress(Exception):
                 self.gps.gc(model, keep_last=1)
+        self.last_stats.update(fetch_s=t1 - t0, step_s=t2 - t1)  # seconds (benchmarks/train_step.py)
         if stats.skipped:
             return self.version
-        return self.publish()
+        t3 = time.perf_counter()
+        v = self.publish()
+        self.last_stats["publish_s"] = time.perf_counter() - t3
+        return v
 
 
 def evaluate(

@@ -151,6 +151,9 @@ def worker_role_specs(cfg: PipelineConfig, paths: dict[str, Path], run_id: str) 
             "temperature": 1.0,  # engines report raw-distribution log-probs (see pivotrl.grpo.make_trainer)
             "pad_id": PAD_ID,
             "grad_prefix": "grad",
+            # the sharded owner's rank on this device takes the flushed sum from memory
+            # (pivotrl.runtime.train_worker.hand_over); the driver owner reads every sum from the store
+            "hand_over": cfg.train.optimizer_owner == "sharded",
         },
     }
 

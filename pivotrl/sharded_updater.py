@@ -33,7 +33,10 @@ class ShardedUpdater:
         self.hf_dir, self.pad_id = str(hf_dir), int(pad_id)
         self._version = int(version)
         self.timeout_s = timeout_s
-        self.last_stats: dict[str, Any] = {}
+        self.last_stats: dict[str, Any] = {}  # plain numbers (they go into the run's records)
+        #: per rank, seconds per phase of the last step (`TrainRank.phases`, plus `dispatch`: the task's
+        #: start minus the submit) — where the barrier went (benchmarks/train_step.py)
+        self.last_phases: list[dict[str, float]] = []
         self.first_step_at: float | None = None
         self.members: tuple[str, ...] = ()
         self._formation: tuple[int, str] | None = None  # (group id, token) of the ranks' process group
@@ -57,7 +60,9 @@ class ShardedUpdater:
         if not grads:
             self.last_stats = {"skipped": 1.0}
             return self._version
+        t_plan = time.perf_counter()
         plan = self.plan(sorted({g.worker for g in grads}))
+        t_submit, submitted_at = time.perf_counter(), time.time()
         share: dict[int, list[SumRef]] = {r: [] for r in range(plan.world)}
         # A member's own sum first (the one `run_rank_step` treats as local); a departed device's sum is
         # folded in by rank 0.
@@ -89,9 +94,18 @@ class ShardedUpdater:
             raise TrainStepFailed(f"train step at version {self._version} failed on a group of "
                                   f"{plan.world}: {type(exc).__name__}: {line}; nothing committed") from None
         self.members = plan.members
-        stats = results[0]
+        stats = {k: v for k, v in results[0].items() if k not in ("phases", "started_at")}
         self.last_stats = dict(stats)
         self.last_stats["replica_sums"] = len(grads)
+        # Where the barrier went, per rank: the driver's plan call, each task's dispatch latency (its start
+        # minus the submit, one clock on one host; across hosts only roughly), then the rank's own phases.
+        self.last_stats["plan_s"] = t_submit - t_plan
+        self.last_stats["ranks_s"] = time.perf_counter() - t_submit
+        self.last_stats["local_sums"] = sum(int(r.get("local_sums", 0)) for r in results)
+        self.last_phases = [
+            dict(r.get("phases", {}), dispatch=round(max(0.0, r.get("started_at", submitted_at)
+                                                                - submitted_at), 4))
+            for r in results]
         self._version = int(stats["version"])
         return self._version
 

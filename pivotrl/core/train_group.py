@@ -105,3 +105,14 @@ def owner_of(ranges: Sequence[range], index: int) -> int:
         if index in run:
             return r
     raise ValueError(f"tensor {index} is in no run")
+
+
+def owner_buckets(runs: Sequence[range], sizes: Sequence[int], bucket_elems: int) -> list[tuple[int, range]]:
+    """The reduce-scatter's buckets: each rank's run (`shard_ranges`) cut by `buckets`, as (owner, tensor
+    range) in model order. A bucket never spans two owners, so each goes whole to the one rank that steps
+    its tensors; every rank computes the same list, so the k-1 messages of a bucket match by position."""
+    out: list[tuple[int, range]] = []
+    for r, run in enumerate(runs):
+        for b in buckets([sizes[i] for i in run], bucket_elems):
+            out.append((r, range(run.start + b.start, run.start + b.stop)))
+    return out

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -298,14 +298,23 @@ class StepStats:
         return d
 
 
-def prepare_step(total: GradSum, grad_clip: float, only: Iterable[str] | None = None
-                 ) -> tuple[StepStats, dict[str, torch.Tensor] | None]:
+def prepare_step(total: GradSum, grad_clip: float, only: Iterable[str] | None = None,
+                 reduce_norms: Callable[[torch.Tensor], torch.Tensor] | None = None, in_place: bool = False,
+                 order: Sequence[str] | None = None) -> tuple[StepStats, dict[str, torch.Tensor] | None]:
     """The step's statistics and its clipped, token-normalised gradients (None: the step is skipped).
 
     Shared by the single optimizer owner and every rank of a sharded train group (each holds the whole
-    all-reduced sum), so the clip scale, computed from the full gradient the same way, is the same on all.
-    `only`: the names whose clipped gradients are wanted (a rank's own tensors); the norm is still the
-    whole gradient's, each tensor normalised as the single owner does and then dropped.
+    all-reduced sum), so the clip scale, computed from the same per-tensor norms the same way, is the same
+    on all. `only`: the names whose clipped gradients are wanted (a rank's own tensors).
+
+    The clip norm is the norm of the vector of per-tensor norms (each tensor normalised, in fp64), in the
+    order `order` (default: `total.grads`'). Without `reduce_norms` every entry is computed here. With it
+    (a rank), only the `only` entries are, and `total.grads` need hold no other tensor; the others stay
+    0.0 and `reduce_norms` (an all-reduce sum over the group, whose ranks own disjoint names) fills them
+    in — adding zeros is exact, so every rank gets the single owner's vector bit for bit while each
+    computes only its own share of the model's norms and holds only its own tensors' reduced gradient.
+    `in_place`: the sums' tensors may be overwritten (a rank's own reduce buffers): normalise and scale in
+    place, allocating nothing model-sized.
     """
     n = max(total.tokens, 1)
     stats = StepStats(
@@ -324,13 +333,18 @@ def prepare_step(total: GradSum, grad_clip: float, only: Iterable[str] | None = 
         return stats, None
     keep = set(total.grads) if only is None else set(only)
     grads: dict[str, torch.Tensor] = {}
-    parts = []
-    for name, g in total.grads.items():
-        gn = g / n
-        parts.append(torch.linalg.vector_norm(gn.double()))
+    names = list(total.grads) if order is None else list(order)
+    norms = torch.zeros(len(names), dtype=torch.float64)
+    for i, name in enumerate(names):
+        if reduce_norms is not None and name not in keep:
+            continue  # another rank's tensor: its norm comes from `reduce_norms`
+        g = total.grads[name]
+        gn = g.div_(n) if in_place else g / n
+        norms[i] = torch.linalg.vector_norm(gn.double())
         if name in keep:
             grads[name] = gn
-    norms = torch.stack(parts)
+    if reduce_norms is not None:
+        norms = reduce_norms(norms)
     norm = torch.linalg.vector_norm(norms)
     stats.grad_norm = float(norm)
     if total.nonfinite or not math.isfinite(stats.grad_norm) or not math.isfinite(stats.loss):
@@ -338,6 +352,8 @@ def prepare_step(total: GradSum, grad_clip: float, only: Iterable[str] | None = 
         log.warning("GRPO step at version %d skipped: %s", total.version, stats.reason)
         return stats, None
     scale = min(1.0, grad_clip / (stats.grad_norm + 1e-12))
+    if in_place:
+        return stats, {name: g.mul_(scale) for name, g in grads.items()}
     return stats, {name: g * scale for name, g in grads.items()}
 
 

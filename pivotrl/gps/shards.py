@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -54,6 +54,18 @@ def _dpath(store: Any, t: ShardTarget) -> str:
 
 def write_shard(store: Any, target: ShardTarget, shard: int, tensors: Mapping[str, torch.Tensor]) -> None:
     """Write shard `shard` (its tensors, whole) durably, then its part record (the shard's commit point)."""
+    jobs, finish = plan_shard(store, target, shard, tensors)
+    layout.run_jobs(store._io, jobs)
+    finish()
+
+
+def plan_shard(store: Any, target: ShardTarget, shard: int, tensors: Mapping[str, torch.Tensor]
+               ) -> tuple[list[Callable[[], None]], Callable[[], None]]:
+    """`write_shard` in two parts: the jobs that write and hash the data (independent: any threads may run
+    them, in any order), and `finish`, to call once every job ran, which writes the part record.
+
+    Why split: a write behind the barrier runs its jobs on a low-priority thread, and whoever needs the
+    write done (the next step) takes the jobs still left at its own priority instead of waiting."""
     if not 0 <= shard < target.nshards:
         raise ValueError(f"shard {shard} of {target.nshards}")
     backend = store.persistent
@@ -62,7 +74,7 @@ def write_shard(store: Any, target: ShardTarget, shard: int, tensors: Mapping[st
     backend.makedirs(dpath)
     cpu = {n: t.detach().cpu().contiguous() for n, t in tensors.items()}
     rows, packed = layout._plan(cpu, store.chunk_bytes)
-    jobs = []
+    jobs: list[Callable[[], None]] = []
     arrays: list[ArrayEntry] = []
     for dname, p in packed.items():
         aname = f"{dname}.s{shard}"
@@ -77,20 +89,23 @@ def write_shard(store: Any, target: ShardTarget, shard: int, tensors: Mapping[st
         arrays.append(ArrayEntry(aname, e.zarr_dtype, e.itemsize, e.nbytes, e.chunk_bytes, e.nchunks))
     hashes: dict[str, str] = {}
     jobs += [partial(layout._hash_into, hashes, b) for b in layout._batches([(r[0], r[6]) for r in rows])]
-    layout.run_jobs(store._io, jobs)
-    for a in arrays:
-        getattr(backend, "sync_dir", lambda _p: None)(layout._jp(dpath, a.name, "c"))
-    record = {
-        "tensors": [[n, d, list(s), f"{a}.s{shard}", o, nb, hashes[n]] for n, d, s, a, o, nb, _ in rows],
-        "arrays": [a.__dict__ for a in arrays],
-    }
-    # The record appears whole or not at all (committers poll for it from other processes): a plain write
-    # exposed an empty file to `wait_parts`, and the committer read it mid-write.
-    part, data = layout._jp(dpath, f"part-{shard}.json"), json.dumps(record).encode()
-    if not backend.create_exclusive(part, data):  # left by an earlier attempt at this version: replace it
-        backend.remove_file(part)
-        if not backend.create_exclusive(part, data):
-            raise RuntimeError(f"{part}: another writer wrote this shard's record at the same time")
+
+    def finish() -> None:
+        for a in arrays:
+            getattr(backend, "sync_dir", lambda _p: None)(layout._jp(dpath, a.name, "c"))
+        record = {
+            "tensors": [[n, d, list(s), f"{a}.s{shard}", o, nb, hashes[n]] for n, d, s, a, o, nb, _ in rows],
+            "arrays": [a.__dict__ for a in arrays],
+        }
+        # The record appears whole or not at all (committers poll for it from other processes): a plain
+        # write exposed an empty file to `wait_parts`, and the committer read it mid-write.
+        part, data = layout._jp(dpath, f"part-{shard}.json"), json.dumps(record).encode()
+        if not backend.create_exclusive(part, data):  # left by an earlier attempt at this version: replace
+            backend.remove_file(part)
+            if not backend.create_exclusive(part, data):
+                raise RuntimeError(f"{part}: another writer wrote this shard's record at the same time")
+
+    return jobs, finish
 
 
 def wait_parts(store: Any, target: ShardTarget, timeout_s: float) -> None:

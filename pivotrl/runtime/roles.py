@@ -279,6 +279,10 @@ class TrainContext(_Weights):
 
     def offload(self) -> None:
         self.model = self.ref_model = None
+        if self.spec.get("hand_over") and self.env is not None:  # no rank will take it here now
+            from pivotrl.runtime.handover import drop
+
+            drop(self._sum_name())
         free_cuda_cache()  # the next role (vLLM above all) sees driver-free memory, not the cache
 
     def add(self, item: WorkItem) -> None:
@@ -333,18 +337,25 @@ class TrainContext(_Weights):
     def progress(self) -> dict[str, tuple[list[int], list[float]]]:
         return {}
 
+    def _sum_name(self) -> str:
+        return f"{self.spec.get('grad_prefix', 'grad')}-w{self.env.name}"
+
     def flush(self) -> GradResult | None:
         """Publish the local gradient sum to the GPS (persisted before we report it) and hand in its ref."""
         if self.sum is None:
             return None
         gs, items = self.sum, list(self.done)
-        name = f"{self.spec.get('grad_prefix', 'grad')}-w{self.env.name}"
+        name = self._sum_name()
         try:  # only this device writes under its name, so the next free version is ours
             version = max(self.env.gps.versions(name), default=-1) + 1
         except LookupError:
             version = 0
         self.env.gps.publish(name, version, gs.grads)
         self.env.gps.flush()
+        if self.spec.get("hand_over"):  # the sharded owner's rank here takes it from memory at the barrier
+            from pivotrl.runtime.handover import hand_over
+
+            hand_over(name, version, gs)
         self.sum, self.done = None, []  # handed in only once safely persisted
         stats = GradStats.of(gs)
         return GradResult(model=name, version=version, items=items, stats=stats)

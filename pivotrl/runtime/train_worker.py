@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pivotrl.core.train_group import TrainGroupPlan
+from pivotrl.runtime.handover import take
 
 _RANKS: dict[str, Any] = {}  # policy → _Held (this process's rank of that policy's train group)
 
@@ -107,9 +108,14 @@ def _build(job: RankStep, store: Any, kv: Any) -> Any:
     import torch
 
     from pivotrl.engines.trainer import GRPOTrainer
+    from pivotrl.malloc import keep_freed_memory
     from pivotrl.runtime.roles import _build_model
     from pivotrl.runtime.train_group import TrainRank, form_group
 
+    # A step allocates and frees model-sized buffers (reduce buckets, clip, AdamW temporaries): with glibc's
+    # defaults each is mmap'd and page-faulted in afresh every step. The worker plugin sets this already in
+    # a pivotrl run (idempotent); a rank hosted by any other worker needs it as much.
+    keep_freed_memory()
     state = store.fetch(job.policy, job.version)
     model = _build_model({"hf_dir": job.hf_dir, "dtype": job.dtype}, "cpu", state)
     del state
@@ -125,7 +131,10 @@ def _build(job: RankStep, store: Any, kv: Any) -> Any:
 
 def run_rank_step(job: RankStep, host: str | None = None) -> dict[str, Any]:
     """Reduce, step and publish as rank `job.rank`; returns the step's statistics (plain numbers)."""
-    return _step(job, _store(job), host)
+    started = time.time()  # wall clock: the driver compares it with its submit time (dispatch latency)
+    out = _step(job, _store(job), host)
+    out["started_at"] = started
+    return out
 
 
 def _step(job: RankStep, store: Any, host: str | None) -> dict[str, Any]:
@@ -133,6 +142,7 @@ def _step(job: RankStep, store: Any, host: str | None) -> dict[str, Any]:
 
     from pivotrl.engines.trainer import GradSum
 
+    t_form = time.perf_counter()
     held = _RANKS.get(job.policy)
     if held is None or held.formation != job.formation:
         _RANKS.pop(job.policy, None)
@@ -145,25 +155,42 @@ def _step(job: RankStep, store: Any, host: str | None) -> dict[str, Any]:
                            f"{held.rank.trainer.version}, the step is of {job.version}")
     rank = held.rank
     t0 = time.perf_counter()
-    sums = [GradSum(grads=store.fetch(s.model, s.version), **s.stats) for s in job.sums]
+    form_s = t0 - t_form
+    sums, local_sums = [], 0
+    for s in job.sums:
+        handed = take(s.model, s.version)
+        local_sums += handed is not None
+        grads = handed.grads if handed is not None else store.fetch(s.model, s.version)
+        sums.append(GradSum(grads=grads, **s.stats))
     local = sums[0] if sums else None
     t1 = time.perf_counter()
+
+    def gc() -> None:  # behind the barrier (after the optimizer state): nothing waits for old versions to go
+        for s in job.sums:
+            with contextlib.suppress(Exception):
+                store.gc(s.model, keep_last=1)
+        if job.rank == 0:
+            store.gc(job.policy, keep_last=job.keep_last)
+            store.gc(f"{job.policy}.optim", keep_last=job.keep_last)
+
     try:
         stats = rank.step(local, sums[1:])
         t2 = time.perf_counter()
         if not stats.skipped:  # the rank's other tensors are never read here: no refresh needed
-            rank.publish(store, job.policy, optim_behind=job.optim_behind)
+            rank.publish(store, job.policy, optim_behind=job.optim_behind, then=gc)
+        else:
+            for s in job.sums:
+                with contextlib.suppress(Exception):
+                    store.gc(s.model, keep_last=1)
     except Exception:
         _RANKS.pop(job.policy, None)  # a failed step leaves no half-stepped rank behind
         raise
-    for s in job.sums:
-        with contextlib.suppress(Exception):
-            store.gc(s.model, keep_last=1)
-    if job.rank == 0 and not stats.skipped:
-        store.gc(job.policy, keep_last=job.keep_last)
-        store.gc(f"{job.policy}.optim", keep_last=job.keep_last)
     out = stats.as_dict()
-    out.update(world=job.plan.world, fetch_s=t1 - t0, step_s=t2 - t1, publish_s=time.perf_counter() - t2)
+    out.update(world=job.plan.world, fetch_s=t1 - t0, step_s=t2 - t1, publish_s=time.perf_counter() - t2,
+               local_sums=local_sums)
+    phases = dict(rank.phases)
+    phases.update(form=form_s, fetch=t1 - t0)
+    out["phases"] = {k: round(v, 4) for k, v in phases.items()}
     return out
 
 

@@ -74,15 +74,17 @@ def shift_time(cost: CostProfile, role: str, abort: bool = False) -> ShiftTiming
 def barrier_time(cfg: SimConfig, train_replicas: int) -> float:
     """The train barrier: gradient all-reduce + optimizer step + publish of the new version.
 
-    Sharded (`pivotrl.runtime.train_group`): the n train devices all-reduce in buckets (ring: 2(n-1)/n of
-    the bytes over the link, plus one collective latency per bucket), each steps AdamW on its 1/n of the
-    tensors and writes its 1/n of the version in parallel, then rank 0 commits the manifest. Driver: one
-    process reduces (the same ring model, kept from before), steps and publishes the whole model."""
+    Sharded (`pivotrl.runtime.train_group`): the n train devices reduce-scatter in buckets, each bucket to
+    the rank that owns its tensors ((n-1)/n of the bytes over the link, plus one collective latency per
+    bucket; the clip's norms are one small all-reduce), each steps AdamW on its 1/n of the tensors and
+    writes its 1/n of the version in parallel, then rank 0 commits the manifest. Driver: one process
+    reduces (the ring all-reduce model, 2(n-1)/n, kept from before), steps and publishes the whole model."""
     it = cfg.cost.iteration
     n = max(train_replicas, 1)
-    reduce_s = 2.0 * (n - 1) / n * it.grad_allreduce_gb / it.allreduce_gb_s if n > 1 else 0.0
     if it.optimizer_owner == "driver":
-        return it.optimizer_step_s + reduce_s + it.publish_s
+        ring_s = 2.0 * (n - 1) / n * it.grad_allreduce_gb / it.allreduce_gb_s if n > 1 else 0.0
+        return it.optimizer_step_s + ring_s + it.publish_s
+    scatter_s = (n - 1) / n * it.grad_allreduce_gb / it.allreduce_gb_s if n > 1 else 0.0
     buckets = math.ceil(it.grad_allreduce_gb / it.bucket_gb) if n > 1 else 0
     sharded_s = (it.optimizer_step_s + it.publish_s) / n + it.commit_s
-    return reduce_s + buckets * it.collective_latency_s + sharded_s
+    return scatter_s + buckets * it.collective_latency_s + sharded_s

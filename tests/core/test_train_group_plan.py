@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pivotrl.core.train_group import buckets, decide_group, owner_of, shard_ranges
+from pivotrl.core.train_group import buckets, decide_group, owner_buckets, owner_of, shard_ranges
 from tests.core._hyp import CI
 
 sizes_st = st.lists(st.integers(0, 10_000), min_size=0, max_size=60)
@@ -46,6 +46,17 @@ def test_buckets_cover_in_order_and_respect_the_cap(sizes: list[int], cap: int) 
     assert [i for b in bs for i in b] == list(range(len(sizes)))
     for b in bs:
         assert len(b) >= 1
+        assert len(b) == 1 or sum(sizes[i] for i in b) <= cap
+
+
+@CI
+@given(sizes=sizes_st, k=st.integers(1, 6), cap=st.integers(1, 20_000))
+def test_owner_buckets_cover_in_order_within_one_owner(sizes: list[int], k: int, cap: int) -> None:
+    runs = shard_ranges(sizes, k)
+    bs = owner_buckets(runs, sizes, cap)
+    assert [i for _, b in bs for i in b] == list(range(len(sizes)))
+    for owner, b in bs:
+        assert len(b) >= 1 and all(owner_of(runs, i) == owner for i in b)  # never two owners
         assert len(b) == 1 or sum(sizes[i] for i in b) <= cap
 
 

@@ -96,3 +96,35 @@ def test_flush_publishes_the_sum_and_hands_in_a_grad_result(debug_model_dir, tmp
         assert g.items == ["t0", "t1", "t2"] and g.stats.samples == 3 and g.stats.tokens == 3
         assert set(gps.fetch("grad-w7", 0)) == {n for n, _ in ctx.model.named_parameters()}
         assert ctx.parkable()  # nothing unflushed left in it
+
+
+def test_flush_hands_the_sum_over_to_this_devices_rank_only_when_asked(debug_model_dir, tmp_path):
+    """`hand_over` (the sharded owner): the flushed sum is also kept in this process for the rank here,
+    equal to the stored copy; without it (the driver owner) nothing is kept."""
+    from pivotrl.gps import ParameterStore
+    from pivotrl.runtime.handover import take
+
+    sd = load_state_dict(debug_model_dir)
+    with ParameterStore(tmp_path / "gps", device_tier_bytes=0) as gps:
+        for hand_over in (False, True):
+            env = SimpleNamespace(device="cpu", gps=gps, name=f"h{int(hand_over)}")
+            spec = {"model": "policy", "hf_dir": str(debug_model_dir), "micro_batch": 2, "version": 0,
+                    "hand_over": hand_over}
+            ctx = TrainContext("train", spec)
+            ctx.load(env, sd)
+            ctx.add(WorkItem("t0", "train", {"prompt_ids": [1, 4], "response_ids": [5], "advantage": 1.0}))
+            ctx.step()
+            g = ctx.flush()
+            got = take(g.model, g.version)
+            if not hand_over:
+                assert got is None
+                continue
+            stored = gps.fetch(g.model, g.version)
+            assert got.tokens == g.stats.tokens
+            assert all(torch.equal(stored[n], t) for n, t in got.grads.items())
+            ctx.load(env, sd)  # flushed again, then the device leaves the train role: nothing is kept
+            ctx.add(WorkItem("t1", "train", {"prompt_ids": [1, 4], "response_ids": [6], "advantage": 1.0}))
+            ctx.step()
+            g = ctx.flush()
+            ctx.offload()
+            assert take(g.model, g.version) is None

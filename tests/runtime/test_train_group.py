@@ -135,3 +135,48 @@ def test_a_lost_rank_stops_the_step_with_one_line_and_commits_nothing(tmp_path: 
         ranks.store.fetch(NAME, 1)
     with pytest.raises(NotFoundError):
         ranks.store.fetch(f"{NAME}.optim", 1)
+
+
+def test_four_ranks_reduce_in_the_single_owners_order_bit_for_bit(tmp_path: Path) -> None:
+    """The reduce-scatter adds the ranks' parts in rank order (rank 0's with its folded sum first), the
+    order `reduce` takes the same sums in: given the same sums, 4 ranks step exactly as the single owner."""
+    ranks = Ranks(tmp_path)
+    ref = _trainer()
+    ref.model.load_state_dict(ranks.store.fetch(NAME, 0))
+    sums = [_sum(ref, random_samples(4, 20 + i)) for i in range(4)]
+    departed = _sum(ref, random_samples(3, 30))
+    plan = decide_group(None, [f"w{i}" for i in range(4)], step=0)
+
+    def run(rank: int) -> Any:
+        t = _trainer()
+        t.model.load_state_dict(ranks.store.fetch(NAME, 0))  # (models built in threads share one RNG)
+        group = form_group(ranks.kv, plan, rank, timeout_s=TIMEOUT)
+        tr = TrainRank(t, group, bucket_elems=300)
+        folded = [departed] if rank == 0 else []
+        stats = tr.step(sums[rank], folded)
+        tr.publish(ranks.store, NAME)
+        return stats
+
+    with ThreadPoolExecutor(4) as ex:
+        out = [f.result() for f in [ex.submit(run, r) for r in range(4)]]
+    want = ref.apply(reduce([sums[0], departed, *sums[1:]]))
+    assert not want.skipped and {o.grad_norm for o in out} == {want.grad_norm}
+    got = ranks.store.fetch(NAME, 1)
+    assert all(torch.equal(got[k], v) for k, v in ref.model.state_dict().items())
+    opt = ranks.store.fetch(f"{NAME}.optim", 1)
+    for n, p in ref.params.items():
+        assert torch.equal(opt[f"exp_avg_sq/{n}"], ref.optimizer.state[p]["exp_avg_sq"])
+
+
+def test_a_handed_over_sum_is_taken_once_and_only_at_its_version() -> None:
+    from pivotrl.engines.trainer import GradSum
+    from pivotrl.runtime.handover import hand_over, take
+
+    gs = GradSum(grads={"w": torch.ones(2)}, tokens=3)
+    hand_over("grad-wx", 4, gs)
+    assert take("grad-wx", 3) is None  # another version: read from the store
+    assert take("grad-wx", 4) is gs
+    assert take("grad-wx", 4) is None  # taken: the process holds it no longer
+    hand_over("grad-wx", 5, gs)
+    hand_over("grad-wx", 6, gs)  # a newer flush replaces the older one
+    assert take("grad-wx", 5) is None and take("grad-wx", 6) is gs

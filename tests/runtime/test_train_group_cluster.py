@@ -120,3 +120,41 @@ def test_a_restarted_cluster_resumes_the_sharded_optimizer_exactly(cluster: Any,
         assert up.apply(grads, step) == ref.version
     got = store.fetch(name, 3)
     assert all(torch.equal(got[k], t) for k, t in ref.model.state_dict().items())
+
+
+def _flush_here(gps: dict[str, Any], name: str, gs: GradSum) -> int:
+    """On a worker: what `TrainContext.flush` does with `hand_over` set — the sum persisted, then kept in
+    this process for the rank that runs here."""
+    from pivotrl.runtime.handover import hand_over
+
+    with ParameterStore(gps["root"], device_tier_bytes=0, write_behind=False) as store:
+        v = max(store.versions(name), default=-1) + 1 if name in store.models() else 0
+        store.publish(name, v, gs.grads)
+    hand_over(name, v, gs)
+    return v
+
+
+def test_a_rank_takes_its_own_devices_sum_from_memory(cluster: Any, tmp_path: Path) -> None:
+    """Sums flushed on the ranks' own workers are taken from memory (`local_sums`), not read back from the
+    store, and the step is still bit-identical to the driver-owned one."""
+    cfg = tiny_config(tmp_path, SETS)
+    hf = create_model("debug", tmp_path / "policy")
+    gps = {"root": str(tmp_path / "gps")}
+    store = ParameterStore(gps["root"], device_tier_bytes=0)
+    name = cfg.models.policy.name
+    workers = sorted(cluster.scheduler_info()["workers"])
+    cluster.submit(publish_initial, name, str(hf), gps, workers=workers[:1]).result()
+    ref = make_trainer(cfg, from_pretrained(hf), PAD_ID)
+    up = ShardedUpdater(cfg, cluster, gps, str(hf), PAD_ID, timeout_s=120)
+    for step in range(2):
+        sums = [compute_grad_sum(ref.model, random_samples(5, 40 + 10 * step + i), pad_id=PAD_ID,
+                                 micro_batch=3, version=ref.version) for i in range(2)]
+        vs = [cluster.submit(_flush_here, gps, f"grad-w{i}", gs, workers=[w], pure=False).result()
+              for i, (w, gs) in enumerate(zip(workers, sums, strict=True))]
+        grads = [GradResult(model=f"grad-w{i}", version=v, items=[], stats=GradStats.of(gs), worker=w)
+                 for i, (w, v, gs) in enumerate(zip(workers, vs, sums, strict=True))]
+        ref.apply(reduce(sums))
+        assert up.apply(grads, step) == ref.version
+        assert up.last_stats["local_sums"] == 2  # both ranks took their own device's sum from memory
+        got = store.fetch(name, ref.version)
+        assert all(torch.equal(got[k], t) for k, t in ref.model.state_dict().items()), step
