@@ -117,6 +117,9 @@ class DaskPeers:
         ftier = FetchTier.PEER_NODE if nodes.get(main) == self.node else FetchTier.PEER_REMOTE
         report = dict(done, nbytes=res.manifest.nbytes, seconds=time.perf_counter() - t0,
                       fetch_tier=ftier.value, served_by=res.served_by, lost=res.lost)
+        tensors = res.tensors if wanted is None else {n: res.tensors[n] for n in wanted}
+        if behind and not shared:  # the caller may write to what it gets: its own copy, not the landing's
+            tensors = packed_clone(tensors)  # (before the landing starts: both would fault in fresh pages)
         if behind:
             assert land is not None
             store._track(store._bg.submit(self._land_behind, store, res, land, report))
@@ -125,9 +128,6 @@ class DaskPeers:
             self._report(done_at, report)
             if done_at.rest:  # the slower node tiers behind the fetch, from the committed copy
                 store._track(store._bg.submit(self._replicate, store, done_at))
-        tensors = res.tensors if wanted is None else {n: res.tensors[n] for n in wanted}
-        if behind and not shared:  # the caller may write to what it gets: its own copy, not the landing's
-            tensors = packed_clone(tensors)
         return tensors, res.manifest
 
     def _report(self, done_at: Committed, report: dict[str, Any]) -> None:
