@@ -225,7 +225,7 @@ def run(quick: bool, tmp_root: str | None) -> dict:
     # main loop so they cannot disturb it.
     from benchmarks import gps_nodes
 
-    peer = gps_nodes.peer_fetch(nbytes, 5 if quick else 11, tmp_root)
+    peer = gps_nodes.peer_fetch(nbytes, 9 if quick else 15, tmp_root)
     s3 = gps_nodes.s3_fetch(transformer_state_dict(layers=2), 3 if quick else 7, tmp_root)
     ratios["peer_fetch_vs_raw_read"] = peer["ratio"]
     ratios["s3_fetch_vs_raw_read"] = s3["ratio"]
