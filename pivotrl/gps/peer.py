@@ -38,11 +38,12 @@ from pivotrl.gps.landing import Landing
 from pivotrl.gps.manifest import DTYPES, Manifest, version_dir
 from pivotrl.gps.pieces import Piece, Segment, plan_pieces
 
-#: Bytes per remote range request (the guidance range is 8-64 MiB): on loopback TCP, 64 MiB pulled 257 MB
-#: in 0.41-0.70 s where 16 MiB took 0.53-1.7 s and 4 MiB 1.2-2.2 s (2-core box, loaded; benchmarks.gps_nodes).
-#: Smaller ranges would make a lost holder cheaper to re-ask; a lost range is re-asked whole.
+#: Bytes per remote range request, at most (the guidance range is 8-64 MiB): on loopback TCP a 257 MB pull
+#: took a median 0.12-0.17 s with 64 MiB pieces and 0.20 s with 32 MiB ones (quiet 2-core box,
+#: benchmarks.gps_nodes). Smaller ranges would make a lost holder cheaper to re-ask (re-asked whole).
 PEER_RANGE_BYTES = 64 << 20
-#: Pieces in flight at once per pull (each a request to a holder, on its own thread).
+#: Pieces in flight at once per pull (each a request to a holder, on its own thread). 2, 3 and 4 measured
+#: equal: a process's comms share one event-loop thread, so more in flight adds no stream.
 PEER_WINDOW = 4
 
 
