@@ -152,11 +152,13 @@ def main(argv: list[str] | None = None) -> int:
     uninterrupted_s = time.monotonic() - t0
 
     cfg = write_config(root, root / "interrupted", iterations)
-    # the wall-clock kills come right after the first (fault-point) kill, while most iterations are left,
-    # so a kill at 15-40 % of the uninterrupted run's iteration time, counted from the resumed run's first
-    # iteration, lands inside its work
+    # the wall-clock kills come right after the first (fault-point) kill, at 1.2-1.6 uninterrupted
+    # iterations counted from the resumed run's first iteration: each lets about one iteration commit and
+    # dies inside the next, so the kills land at different iterations and the later fault points still
+    # find iterations left (timed as a fraction of the whole run, with one slow worker two wall kills used
+    # up the run and three of the fault-point runs found nothing left to do)
     plan: list[tuple[str | None, float | None]] = [(POINTS[0], None)]
-    plan += [(None, rng.uniform(0.15, 0.4) * iterations_s) for _ in range(wall_kills)]
+    plan += [(None, rng.uniform(1.2, 1.6) * iterations_s / iterations) for _ in range(wall_kills)]
     plan += [(p, None) for p in POINTS[1:]]
     kills, resumes_ok, overheads, log = 0, True, [], []
     for i, (point, after) in enumerate(plan):
