@@ -56,7 +56,9 @@ def _flush(store: ParameterStore, worker: str, name: str, gs: GradSum) -> GradRe
     return GradResult(model=name, version=v, items=[], stats=GradStats.of(gs), worker=worker)
 
 
-def test_sharded_steps_equal_the_driver_owned_ones(cluster: Any, tmp_path: Path) -> None:
+def _setup(cluster: Any, tmp_path: Path) -> tuple:
+    """A tiny config and policy, its version 0 published by a worker, the driver-owned trainer (the
+    reference update) and a `ShardedUpdater` over the cluster's two workers."""
     cfg = tiny_config(tmp_path, SETS)
     hf = create_model("debug", tmp_path / "policy")
     gps = {"root": str(tmp_path / "gps")}
@@ -64,8 +66,13 @@ def test_sharded_steps_equal_the_driver_owned_ones(cluster: Any, tmp_path: Path)
     name = cfg.models.policy.name
     workers = sorted(cluster.scheduler_info()["workers"])
     assert cluster.submit(publish_initial, name, str(hf), gps, workers=workers[:1]).result() > 0
-    ref = make_trainer(cfg, from_pretrained(hf), PAD_ID)  # the driver-owned update, for comparison
+    ref = make_trainer(cfg, from_pretrained(hf), PAD_ID)
     up = ShardedUpdater(cfg, cluster, gps, str(hf), PAD_ID, timeout_s=120)
+    return cfg, hf, gps, store, name, workers, ref, up
+
+
+def test_sharded_steps_equal_the_driver_owned_ones(cluster: Any, tmp_path: Path) -> None:
+    _cfg, _hf, _gps, store, name, workers, ref, up = _setup(cluster, tmp_path)
     # step 1: one device trains (world 1); step 2: both (re-formed group, re-sharded optimizer state);
     # step 3: both, plus the sum of a device that left the train role (folded in by rank 0)
     plans = [[workers[0]], workers, [*workers, "tcp://departed:1"]]
@@ -95,15 +102,7 @@ def test_sharded_steps_equal_the_driver_owned_ones(cluster: Any, tmp_path: Path)
 def test_a_restarted_cluster_resumes_the_sharded_optimizer_exactly(cluster: Any, tmp_path: Path) -> None:
     """Two steps, every worker process killed (`Client.restart`: the ranks and their optimizer shards in
     memory are gone), then a third step by a fresh group from the store's `<policy>.optim` alone."""
-    cfg = tiny_config(tmp_path, SETS)
-    hf = create_model("debug", tmp_path / "policy")
-    gps = {"root": str(tmp_path / "gps")}
-    store = ParameterStore(gps["root"], device_tier_bytes=0)
-    name = cfg.models.policy.name
-    workers = sorted(cluster.scheduler_info()["workers"])
-    cluster.submit(publish_initial, name, str(hf), gps, workers=workers[:1]).result()
-    ref = make_trainer(cfg, from_pretrained(hf), PAD_ID)
-    up = ShardedUpdater(cfg, cluster, gps, str(hf), PAD_ID, timeout_s=120)
+    cfg, hf, gps, store, name, workers, ref, up = _setup(cluster, tmp_path)
     for step in range(3):
         if step == 2:
             up.settle()
@@ -137,15 +136,7 @@ def _flush_here(gps: dict[str, Any], name: str, gs: GradSum) -> int:
 def test_a_rank_takes_its_own_devices_sum_from_memory(cluster: Any, tmp_path: Path) -> None:
     """Sums flushed on the ranks' own workers are taken from memory (`local_sums`), not read back from the
     store, and the step is still bit-identical to the driver-owned one."""
-    cfg = tiny_config(tmp_path, SETS)
-    hf = create_model("debug", tmp_path / "policy")
-    gps = {"root": str(tmp_path / "gps")}
-    store = ParameterStore(gps["root"], device_tier_bytes=0)
-    name = cfg.models.policy.name
-    workers = sorted(cluster.scheduler_info()["workers"])
-    cluster.submit(publish_initial, name, str(hf), gps, workers=workers[:1]).result()
-    ref = make_trainer(cfg, from_pretrained(hf), PAD_ID)
-    up = ShardedUpdater(cfg, cluster, gps, str(hf), PAD_ID, timeout_s=120)
+    _cfg, _hf, gps, store, name, workers, ref, up = _setup(cluster, tmp_path)
     for step in range(2):
         sums = [compute_grad_sum(ref.model, random_samples(5, 40 + 10 * step + i), pad_id=PAD_ID,
                                  micro_batch=3, version=ref.version) for i in range(2)]
