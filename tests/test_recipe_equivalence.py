@@ -39,21 +39,25 @@ def stages() -> list[Stage]:
     return [RolloutStage(), GenRMRewardStage(), LengthBonus(), AdvantageStage(), TrainStage()]
 
 
+#: The recipe's overrides of the tiny config (shared by tests/runtime/test_two_node_run.py, which trains it
+#: on two nodes and compares with this single-process run).
+RECIPE_SETS = [
+    "run.iterations=1",
+    "run.seed=3",
+    "task.eval_prompts=0",
+    "reward.budget_per_item=2",
+    "reward.budget_slack=1",
+    "reward.truncated_reward=-1.0",
+    "train.minibatches=2",
+    "train.kl_coef=0.05",
+    "cluster.dashboard_address=null",
+    "scheduler.tick_s=0.05",
+]
+
+
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    sets = [
-        "run.iterations=1",
-        "run.seed=3",
-        "task.eval_prompts=0",
-        "reward.budget_per_item=2",
-        "reward.budget_slack=1",
-        "reward.truncated_reward=-1.0",
-        "train.minibatches=2",
-        "train.kl_coef=0.05",
-        "cluster.dashboard_address=null",
-        "scheduler.tick_s=0.05",
-    ]
-    cfg, boot = tiny_bootstrap(tmp_path_factory.mktemp("equiv"), sets)
+    cfg, boot = tiny_bootstrap(tmp_path_factory.mktemp("equiv"), RECIPE_SETS)
     cfg.models.policy.path, cfg.models.genrm.path = str(boot.policy_dir), str(boot.judge_dir)
     return cfg, boot
 

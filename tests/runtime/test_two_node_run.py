@@ -12,7 +12,7 @@ import pytest
 
 from pivotrl.engines.checkpoints import load_state_dict
 from pivotrl.runtime.local_nodes import nodes_cluster
-from tests.test_recipe_equivalence import _capture, max_diff, stages
+from tests.test_recipe_equivalence import RECIPE_SETS, _capture, max_diff, stages
 from tests.tiny import tiny_bootstrap
 
 
@@ -20,16 +20,7 @@ from tests.tiny import tiny_bootstrap
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("two-nodes")
     sets = [
-        "run.iterations=1",
-        "run.seed=3",
-        "task.eval_prompts=0",
-        "reward.budget_per_item=2",
-        "reward.budget_slack=1",
-        "reward.truncated_reward=-1.0",
-        "train.minibatches=2",
-        "train.kl_coef=0.05",
-        "cluster.dashboard_address=null",
-        "scheduler.tick_s=0.05",
+        *RECIPE_SETS,
         "gps.node_local=true",
         f"gps.root={root}/nodes/{{node}}/nvme/gps",
         f"gps.host_tier={root}/nodes/{{node}}/shm/gps",
