@@ -270,15 +270,15 @@ class PullResult:
         return self.landed
 
 
-def _tensors(manifest: Manifest, got: list[tuple[Piece, np.ndarray]], names: list[str] | None
-             ) -> dict[str, torch.Tensor]:
+def _tensors(manifest: Manifest, got: list[tuple[Piece, np.ndarray]]) -> dict[str, torch.Tensor]:
+    """Every tensor of the version, in the manifest's order, as views of the pieces' buffers."""
     out: dict[str, torch.Tensor] = {}
     for piece, buf in got:
         flat = torch.from_numpy(buf)
         for e in piece.entries:
             d = e.offset - piece.start
             out[e.name] = flat[d : d + e.nbytes].view(DTYPES[e.dtype][0]).view(e.shape)
-    return {n: out[n] for n in (manifest.names if names is None else names)}
+    return {n: out[n] for n in manifest.names}
 
 
 def pull(
@@ -322,7 +322,7 @@ def pull(
                 raise
         lost += fetcher.dead
         if not bad:
-            res = PullResult(_tensors(man, got, None), man, fetcher.bytes_by_holder, lost, pieces=got)
+            res = PullResult(_tensors(man, got), man, fetcher.bytes_by_holder, lost, pieces=got)
             if land is not None and not land_behind:
                 res.land(land)
             return res
