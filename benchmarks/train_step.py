@@ -69,14 +69,21 @@ def make_sum(policy: str, version: int, gps: dict[str, Any], name: str, seed: in
 
 
 def read_version(policy: str, version: int, gps: dict[str, Any]) -> float:
-    """On a worker: a rollout device loading the new version (the barrier ends when it has it); returns
+    """On a worker: a rollout device loading the new version (the barrier ends when it has it), as a role
+    context does (`RoleContext.fetch`: a read-only fetch from the worker's long-lived store, here kept on
+    the Dask worker object: this module runs as `__main__`, whose globals each task gets afresh); returns
     the seconds the fetch itself took (the rest of `read` is the task's round trip)."""
+    from distributed import get_worker
+
     from pivotrl.gps import ParameterStore
 
     t0 = time.perf_counter()
-    with ParameterStore(gps["root"], device_tier_bytes=0) as store:
-        sd = store.fetch(policy, version)
-        assert sum(t.numel() for t in sd.values()) > 0
+    w = get_worker()
+    readers = w.__dict__.setdefault("_bench_train_step_readers", {})
+    if gps["root"] not in readers:
+        readers[gps["root"]] = ParameterStore(gps["root"], device_tier_bytes=0)
+    sd = readers[gps["root"]].fetch(policy, version, copy=False)
+    assert sum(t.numel() for t in sd.values()) > 0
     return time.perf_counter() - t0
 
 

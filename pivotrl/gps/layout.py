@@ -318,11 +318,14 @@ def read_tensors(
     verify: bool = True,
     slice_bytes: int = READ_SLICE_BYTES,
     group_bytes: int = READ_GROUP_BYTES,
+    alloc: Callable[[int], np.ndarray] | None = None,
 ) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """Read the named tensors (all when None) into fresh memory; returns (tensors, names failing checksum).
+    """Read the named tensors (all when None) into memory no one else references; returns (tensors,
+    names failing checksum).
 
-    One fresh numpy buffer (numpy asks the kernel for huge pages, which makes first-touch of a fresh 256 MB
-    buffer several times cheaper than torch.empty), one aligned region per dtype; tensors are views into it.
+    One numpy buffer (`alloc(nbytes)`, e.g. a store's `ReadArena.take`; default a fresh one: numpy asks the
+    kernel for huge pages, which makes first-touch of a fresh 256 MB buffer several times cheaper than
+    torch.empty), one aligned region per dtype; tensors are views into it.
 
     Tensors adjacent on disk form groups of ~`group_bytes` (one job each, shared out over the threads);
     a job reads its group in `slice_bytes` slices and feeds each slice to streaming xxh3 hashers right
@@ -344,7 +347,7 @@ def read_tensors(
     for aname, entries in by_array.items():
         bases[aname] = size
         size += -(-sum(e.nbytes for e in entries) // 64) * 64
-    whole = np.empty(size, dtype=np.uint8)
+    whole = alloc(size) if alloc is not None else np.empty(size, dtype=np.uint8)
     for aname, entries in by_array.items():
         entries.sort(key=lambda e: e.offset)
         total = sum(e.nbytes for e in entries)
