@@ -17,6 +17,7 @@ from typing import Any
 
 from pivotrl.config import PipelineConfig
 from pivotrl.grpo import minibatch_slices
+from pivotrl.runtime.handover import persist
 from pivotrl.runtime.train_plugin import plan_from_wire
 from pivotrl.runtime.train_worker import RankStep, SumRef, run_rank_step, settle_rank
 
@@ -66,9 +67,20 @@ class ShardedUpdater:
         share: dict[int, list[SumRef]] = {r: [] for r in range(plan.world)}
         # A member's own sum first (the one `run_rank_step` treats as local); a departed device's sum is
         # folded in by rank 0.
+        folded = []
         for g in sorted(grads, key=lambda g: g.worker not in plan.members):
             r = plan.rank_of(g.worker) if g.worker in plan.members else 0
             share[r].append(SumRef(g.model, int(g.version), g.stats.as_kwargs()))
+            if g.worker not in plan.members:
+                folded.append(g)
+        # A sum handed over in memory on a device that is not a member is written now, by its holder, for
+        # rank 0 to read (rank 0 waits for it); a sum a member's rank takes is never written.
+        # (A holder that is gone left nothing to write: its sum is in the store, or lost, and rank 0's wait
+        # for it ends the step with one line.)
+        alive = set(self.client.scheduler_info(n_workers=-1)["workers"]) if folded else set()
+        persists = [self.client.submit(persist, g.model, int(g.version), workers=[g.worker],
+                                       allow_other_workers=False, pure=False)
+                    for g in folded if g.worker in alive]
         tag = uuid.uuid4().hex[:8]
         if self._formation is None or self._formation[0] != plan.group_id:  # (re)form the process group
             self._formation = (plan.group_id, tag)
@@ -84,11 +96,12 @@ class ShardedUpdater:
         try:
             from distributed import wait
 
-            wait(futs, timeout=self.timeout_s)
+            wait(futs + persists, timeout=self.timeout_s)
             results = self.client.gather(futs)
+            self.client.gather(persists)
         except Exception as exc:
             self._formation = None  # the next step forms the group afresh
-            for f in futs:
+            for f in futs + persists:
                 f.cancel()
             line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             raise TrainStepFailed(f"train step at version {self._version} failed on a group of "

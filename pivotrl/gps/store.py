@@ -264,13 +264,15 @@ class ParameterStore:
         return NotFoundError(f"model {model!r} has no version {version}; versions: {_short(vs)}")
 
     # ------------------------------------------------------------------ publish
-    def publish(self, model: str, version: int, state_dict: Mapping[str, torch.Tensor]) -> Manifest:
+    def publish(self, model: str, version: int, state_dict: Mapping[str, torch.Tensor], *,
+                write_behind: bool | None = None) -> Manifest:
         """Publish an immutable version; returns its manifest.
 
-        With write-behind (the default) the state dict is snapshotted (so the caller may keep training in
-        place) into the device tier and persisted in the background; `flush()` waits for it. A version that
-        another writer already committed raises `VersionExistsError` here, or from `flush()` when the race
-        was lost in the background.
+        With write-behind (the store's default unless `write_behind` says otherwise) the state dict is
+        snapshotted (so the caller may keep training in place) into the device tier and persisted in the
+        background; `flush()` waits for it. Without, it is persisted in the calling thread, from the
+        caller's tensors (no copy). A version that another writer already committed raises
+        `VersionExistsError` here, or from `flush()` when the race was lost in the background.
         """
         validate_model_name(model)
         validate_version(version)
@@ -286,7 +288,7 @@ class ParameterStore:
                 f"{model!r} version {version} already exists (versions are immutable); latest is "
                 f"{self.latest(model)}"
             )
-        if not self.write_behind:
+        if not (self.write_behind if write_behind is None else write_behind):
             return self._persist(model, version, state_dict, hashes=None, data_id=None)
         for n, t in state_dict.items():
             if not isinstance(n, str) or not isinstance(t, torch.Tensor):

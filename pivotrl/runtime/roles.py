@@ -341,21 +341,16 @@ class TrainContext(_Weights):
         return f"{self.spec.get('grad_prefix', 'grad')}-w{self.env.name}"
 
     def flush(self) -> GradResult | None:
-        """Publish the local gradient sum to the GPS (persisted before we report it) and hand in its ref."""
+        """Hand in the local gradient sum's ref: persisted to the GPS first (the driver owns the optimizer),
+        or kept in memory for the sharded owner's rank here and persisted behind the barrier
+        (`pivotrl.runtime.handover.flush_sum`). Only this device writes under its name."""
+        from pivotrl.runtime.handover import flush_sum
+
         if self.sum is None:
             return None
         gs, items = self.sum, list(self.done)
         name = self._sum_name()
-        try:  # only this device writes under its name, so the next free version is ours
-            version = max(self.env.gps.versions(name), default=-1) + 1
-        except LookupError:
-            version = 0
-        self.env.gps.publish(name, version, gs.grads)
-        self.env.gps.flush()
-        if self.spec.get("hand_over"):  # the sharded owner's rank here takes it from memory at the barrier
-            from pivotrl.runtime.handover import hand_over
-
-            hand_over(name, version, gs)
-        self.sum, self.done = None, []  # handed in only once safely persisted
+        version = flush_sum(self.env.gps, name, gs, hand_over=bool(self.spec.get("hand_over")))
+        self.sum, self.done = None, []
         stats = GradStats.of(gs)
         return GradResult(model=name, version=version, items=items, stats=stats)

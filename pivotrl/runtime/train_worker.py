@@ -160,7 +160,7 @@ def _step(job: RankStep, store: Any, host: str | None) -> dict[str, Any]:
     for s in job.sums:
         handed = take(s.model, s.version)
         local_sums += handed is not None
-        grads = handed.grads if handed is not None else store.fetch(s.model, s.version)
+        grads = handed.grads if handed is not None else _fetch_sum(store, s, job.timeout_s)
         sums.append(GradSum(grads=grads, **s.stats))
     local = sums[0] if sums else None
     t1 = time.perf_counter()
@@ -192,6 +192,23 @@ def _step(job: RankStep, store: Any, host: str | None) -> dict[str, Any]:
     phases.update(form=form_s, fetch=t1 - t0)
     out["phases"] = {k: round(v, 4) for k, v in phases.items()}
     return out
+
+
+def _fetch_sum(store: Any, s: SumRef, timeout_s: float) -> Any:
+    """A sum flushed by another device, from the store: a sum handed over in memory is written only when
+    its rank does not take it (`handover.persist`, asked for by the driver as this step starts), so a
+    version not there yet is waited for, at most `timeout_s`."""
+    from pivotrl.gps import NotFoundError
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return store.fetch(s.model, s.version)
+        except NotFoundError:
+            if time.monotonic() > deadline:
+                raise NotFoundError(f"gradient sum {s.model!r} version {s.version} was not written within "
+                                    f"{timeout_s:g}s (its device was lost?); nothing committed") from None
+            time.sleep(0.01)  # another process's write: nothing to wait on but the store
 
 
 def settle_rank(policy: str) -> bool:

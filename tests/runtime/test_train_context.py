@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from pivotrl.engines.checkpoints import from_pretrained, load_state_dict
@@ -99,9 +100,10 @@ def test_flush_publishes_the_sum_and_hands_in_a_grad_result(debug_model_dir, tmp
 
 
 def test_flush_hands_the_sum_over_to_this_devices_rank_only_when_asked(debug_model_dir, tmp_path):
-    """`hand_over` (the sharded owner): the flushed sum is also kept in this process for the rank here,
-    equal to the stored copy; without it (the driver owner) nothing is kept."""
-    from pivotrl.gps import ParameterStore
+    """`hand_over` (the sharded owner): the flushed sum is kept in this process for the rank here and not
+    written (nothing else reads a sum its rank takes); offloaded untaken, it is written for rank 0. Without
+    it (the driver owner) it is in the store when `flush` returns and nothing is kept."""
+    from pivotrl.gps import NotFoundError, ParameterStore
     from pivotrl.runtime.handover import take
 
     sd = load_state_dict(debug_model_dir)
@@ -115,16 +117,19 @@ def test_flush_hands_the_sum_over_to_this_devices_rank_only_when_asked(debug_mod
             ctx.add(WorkItem("t0", "train", {"prompt_ids": [1, 4], "response_ids": [5], "advantage": 1.0}))
             ctx.step()
             g = ctx.flush()
-            got = take(g.model, g.version)
             if not hand_over:
-                assert got is None
+                assert take(g.model, g.version) is None
+                assert gps.fetch(g.model, g.version)
                 continue
-            stored = gps.fetch(g.model, g.version)
+            with pytest.raises(NotFoundError):
+                gps.fetch(g.model, g.version)
+            got = take(g.model, g.version)
             assert got.tokens == g.stats.tokens
-            assert all(torch.equal(stored[n], t) for n, t in got.grads.items())
-            ctx.load(env, sd)  # flushed again, then the device leaves the train role: nothing is kept
+            ctx.load(env, sd)  # flushed again, then the device leaves the train role: written, not kept
             ctx.add(WorkItem("t1", "train", {"prompt_ids": [1, 4], "response_ids": [6], "advantage": 1.0}))
             ctx.step()
-            g = ctx.flush()
+            g2 = ctx.flush()
+            assert g2.version == g.version + 1  # the first one is not in the store, yet its version is taken
             ctx.offload()
-            assert take(g.model, g.version) is None
+            assert take(g2.model, g2.version) is None
+            assert gps.fetch(g2.model, g2.version)
