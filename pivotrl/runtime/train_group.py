@@ -35,6 +35,7 @@ import torch
 from pivotrl.core.train_group import TrainGroupPlan, owner_buckets, shard_ranges
 from pivotrl.engines.trainer import GradSum, GRPOTrainer, StepStats, prepare_step, reduce
 from pivotrl.gps import shards
+from pivotrl.runtime.shm_exchange import ShmExchange
 
 #: Elements per reduce-scatter bucket (256 K fp32 = 1 MB). A tensor at least this large is a message of its
 #: own, sent from (and summed into) its own memory; smaller consecutive ones are packed into one. Measured
@@ -234,6 +235,8 @@ class TrainRank:
         self.owned = {self.names[i]: trainer.params[self.names[i]] for i in self.runs[group.rank]}
         self._state_names = self._state_dict_owners()
         self._behind: Behind | None = None
+        self._shm: ShmExchange | None = None
+        self._shm_tried = False
         #: seconds per phase of the last step and publish (`phase`); reported with the step's statistics,
         #: so the barrier's cost can be attributed (benchmarks/train_step.py) without a profiler.
         self.phases: dict[str, float] = {}
@@ -277,25 +280,8 @@ class TrainRank:
         if int(vec[-1]) != g.world:
             raise TrainGroupLost(f"train group {g.plan.group_id}: {int(vec[-1])} of "
                                  f"{g.world} ranks took part in the step")
-        pending: list[tuple[Any, str]] = []  # (work, what) of every send and receive, waited below
-        keep: list[torch.Tensor] = []  # send buffers stay alive until their send completed
-        mine_parts: list[tuple[list[str], list[torch.Tensor]]] = []  # owned buckets: names, parts by rank
-        with self.phase("pack"):
-            for b, (owner, run) in enumerate(self.buckets):
-                names = [self.names[i] for i in run]
-                flat = self._flat(own, names)
-                what = f"reduce-scatter of gradient bucket {names[0]}.."
-                if owner != g.rank:
-                    pending.append((g.send(flat, owner, b), what))
-                    keep.append(flat)
-                    continue
-                parts = [flat if src == g.rank else torch.empty_like(flat) for src in range(g.world)]
-                pending += [(g.recv(parts[src], src, b), what) for src in range(g.world) if src != g.rank]
-                mine_parts.append((names, parts))
-        with self.phase("exchange"):
-            for work, what in pending:
-                g._wait(work, what)
-        del keep
+        shm = self._shared_memory()
+        mine_parts = self._exchange_shared(own, shm) if shm is not None else self._exchange(own)
         grads: dict[str, torch.Tensor] = {}
         with self.phase("sum"):
             for names, parts in mine_parts:
@@ -311,6 +297,73 @@ class TrainRank:
         return GradSum(grads=grads, tokens=int(vec[0]), samples=int(vec[1]), version=t.version,
                        loss_sum=float(vec[2]), pg_sum=float(vec[3]), kl_ref_sum=float(vec[4]),
                        kl_old_sum=float(vec[5]), clipped=int(vec[6]), nonfinite=bool(vec[7] > 0))
+
+    def _exchange(self, own: GradSum) -> list[tuple[list[str], list[torch.Tensor]]]:
+        """Each bucket to its owner over the process group; returns the owned buckets' names and their
+        parts by rank (this rank's own, the others' received)."""
+        g = self.group
+        pending: list[tuple[Any, str]] = []  # (work, what) of every send and receive, waited below
+        keep: list[torch.Tensor] = []  # send buffers stay alive until their send completed
+        mine_parts: list[tuple[list[str], list[torch.Tensor]]] = []
+        with self.phase("pack"):
+            for b, (owner, run) in enumerate(self.buckets):
+                names = [self.names[i] for i in run]
+                flat = self._flat(own, names)
+                what = f"reduce-scatter of gradient bucket {names[0]}.."
+                if owner != g.rank:
+                    pending.append((g.send(flat, owner, b), what))
+                    keep.append(flat)
+                    continue
+                parts = [flat if src == g.rank else torch.empty_like(flat) for src in range(g.world)]
+                pending += [(g.recv(parts[src], src, b), what) for src in range(g.world) if src != g.rank]
+                mine_parts.append((names, parts))
+        with self.phase("exchange"):
+            for work, what in pending:
+                g._wait(work, what)
+        return mine_parts
+
+    def _exchange_shared(self, own: GradSum, shm: ShmExchange) -> list[tuple[list[str], list[torch.Tensor]]]:
+        """`_exchange` through the ranks' shared segments (one host): each bucket this rank sends is
+        copied into its segment once; the owned buckets' other parts are the senders' segments."""
+        g = self.group
+        mine_parts: list[tuple[list[str], list[torch.Tensor]]] = []
+        with self.phase("pack"):
+            for b, (owner, run) in enumerate(self.buckets):
+                names = [self.names[i] for i in run]
+                if owner != g.rank:
+                    self._flat_into(own, names, shm.out(b))
+                    continue
+                parts = [self._flat(own, names) if src == g.rank else shm.part(src, b)
+                         for src in range(g.world)]
+                mine_parts.append((names, parts))
+        with self.phase("exchange"):  # every segment written (and every rank alive)
+            g.allreduce_(torch.ones(1, dtype=torch.float64), "shared-memory exchange of the gradients")
+        return mine_parts
+
+    def _shared_memory(self) -> ShmExchange | None:
+        """The group's shared-memory transport, mapped at the first step (every rank decides alike)."""
+        if not self._shm_tried:
+            self._shm_tried = True
+            params = self.trainer.params
+            sizes = []
+            for _owner, run in self.buckets:
+                dtypes = {params[self.names[i]].dtype for i in run}
+                if len(dtypes) != 1:
+                    return None  # a bucket of mixed dtypes: the process group's transport
+                sizes.append((sum(params[self.names[i]].numel() for i in run), dtypes.pop()))
+            self._shm = ShmExchange.open(self.group, self.buckets, sizes)
+        return self._shm
+
+    def _flat_into(self, own: GradSum, names: list[str], out: torch.Tensor) -> None:
+        """Bucket `names` of this rank's sum written into `out` (one copy, no temporary)."""
+        at = 0
+        for n in names:
+            k = self.trainer.params[n].numel()
+            if n in own.grads:
+                out[at : at + k].copy_(own.grads[n].detach().reshape(-1))
+            else:
+                out[at : at + k].zero_()
+            at += k
 
     def _flat(self, own: GradSum, names: list[str]) -> torch.Tensor:
         """One bucket of this rank's sum as one flat tensor: a tensor alone in its bucket is sent (or

@@ -17,6 +17,7 @@ from torch import distributed as dist
 from pivotrl.core.train_group import TrainGroupPlan, decide_group
 from pivotrl.engines.trainer import GRPOTrainer, compute_grad_sum, reduce
 from pivotrl.gps import NotFoundError, ParameterStore
+from pivotrl.runtime.shm_exchange import ENV_SWITCH, SHM_DIR
 from pivotrl.runtime.train_group import TrainGroupLost, TrainRank, form_group
 from tests.engines.test_trainer import PAD, random_samples, tiny_model
 
@@ -67,7 +68,7 @@ class Ranks:
                 return "lost"
             tr.publish(self.store, NAME)
             tr.refresh(self.store, NAME, t.version)
-            return stats, t
+            return stats, t, tr
 
         with ThreadPoolExecutor(world) as ex:
             futs = [ex.submit(run, r) for r in range(world)]
@@ -87,6 +88,15 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
+@pytest.fixture(params=["shared-memory", "gloo"])
+def transport(request: Any, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every multi-rank test twice: ranks of one host exchange through shared memory, or (switched off)
+    over the gloo process group; both must give the same bits."""
+    monkeypatch.setenv(ENV_SWITCH, "1" if request.param == "shared-memory" else "0")
+    yield request.param
+    assert not list(SHM_DIR.glob("pivotrl-train-*"))  # the segments' files are gone once mapped
+
+
 def test_one_rank_is_bit_identical_to_the_single_owner(tmp_path: Path) -> None:
     ranks = Ranks(tmp_path)
     batches = [random_samples(7, s) for s in (1, 2)]
@@ -101,7 +111,8 @@ def test_one_rank_is_bit_identical_to_the_single_owner(tmp_path: Path) -> None:
         assert torch.equal(opt[f"exp_avg_sq/{n}"], ref.optimizer.state[p]["exp_avg_sq"])
 
 
-def test_two_ranks_with_a_departed_sum_and_reshards_match_the_single_owner(tmp_path: Path) -> None:
+def test_two_ranks_with_a_departed_sum_and_reshards_match_the_single_owner(tmp_path: Path,
+                                                                          transport: str) -> None:
     """2 ranks (+ a departed replica's flushed sum) → 1 rank → 2 ranks → 4 ranks, each step re-sharding
     the optimizer state it reads from the store."""
     ranks = Ranks(tmp_path)
@@ -112,7 +123,7 @@ def test_two_ranks_with_a_departed_sum_and_reshards_match_the_single_owner(tmp_p
         assert all(not isinstance(o, BaseException) for o in out), out
         norms = {o[0].grad_norm for o in out}
         assert len(norms) == 1  # every rank clips by the same norm
-        for _, t in out:  # every rank's model is the committed version after `refresh`
+        for _, t, _tr in out:  # every rank's model is the committed version after `refresh`
             assert _max_diff(t.model.state_dict(), ranks.store.fetch(NAME, v + 1)) == 0.0
     # the reference sees each step's samples in the ranks' order: slice 0, (departed), slice 1, ...
     ref = _reference([(s, d) for _, s, d in plan])
@@ -125,7 +136,8 @@ def test_two_ranks_with_a_departed_sum_and_reshards_match_the_single_owner(tmp_p
 
 
 @pytest.mark.parametrize("lose_at", ["step", "publish"])
-def test_a_lost_rank_stops_the_step_with_one_line_and_commits_nothing(tmp_path: Path, lose_at: str) -> None:
+def test_a_lost_rank_stops_the_step_with_one_line_and_commits_nothing(tmp_path: Path, lose_at: str,
+                                                                      transport: str) -> None:
     ranks = Ranks(tmp_path)
     out = ranks.step(2, random_samples(6, 1), version=0, lose=1, lose_at=lose_at)
     assert out[1] == "lost"
@@ -137,9 +149,10 @@ def test_a_lost_rank_stops_the_step_with_one_line_and_commits_nothing(tmp_path: 
         ranks.store.fetch(f"{NAME}.optim", 1)
 
 
-def test_four_ranks_reduce_in_the_single_owners_order_bit_for_bit(tmp_path: Path) -> None:
+def test_four_ranks_reduce_in_the_single_owners_order_bit_for_bit(tmp_path: Path, transport: str) -> None:
     """The reduce-scatter adds the ranks' parts in rank order (rank 0's with its folded sum first), the
-    order `reduce` takes the same sums in: given the same sums, 4 ranks step exactly as the single owner."""
+    order `reduce` takes the same sums in: given the same sums, 4 ranks step exactly as the single owner,
+    whichever the transport."""
     ranks = Ranks(tmp_path)
     ref = _trainer()
     ref.model.load_state_dict(ranks.store.fetch(NAME, 0))
@@ -155,6 +168,7 @@ def test_four_ranks_reduce_in_the_single_owners_order_bit_for_bit(tmp_path: Path
         folded = [departed] if rank == 0 else []
         stats = tr.step(sums[rank], folded)
         tr.publish(ranks.store, NAME)
+        assert (tr._shm is not None) == (transport == "shared-memory")
         return stats
 
     with ThreadPoolExecutor(4) as ex:
@@ -166,6 +180,22 @@ def test_four_ranks_reduce_in_the_single_owners_order_bit_for_bit(tmp_path: Path
     opt = ranks.store.fetch(f"{NAME}.optim", 1)
     for n, p in ref.params.items():
         assert torch.equal(opt[f"exp_avg_sq/{n}"], ref.optimizer.state[p]["exp_avg_sq"])
+
+
+def test_ranks_on_different_hosts_keep_to_the_process_group(tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ranks whose host ids differ (here: each thread its own) all decide on gloo, and still step right."""
+    import threading
+
+    from pivotrl.runtime import shm_exchange
+
+    monkeypatch.setattr(shm_exchange, "host_id", lambda: threading.get_ident() % (1 << 40))
+    ranks = Ranks(tmp_path)
+    samples = random_samples(6, 3)
+    out = ranks.step(2, samples, version=0)
+    ref = _reference([(samples, None)])
+    assert all(tr._shm is None and tr._shm_tried for _stats, _t, tr in out)
+    assert _max_diff(ranks.store.fetch(NAME, 1), ref.model.state_dict()) <= 1e-10
 
 
 def test_a_handed_over_sum_is_taken_once_and_only_at_its_version() -> None:
