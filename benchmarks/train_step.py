@@ -2,25 +2,32 @@
 
     python -m benchmarks.train_step --quick --json OUT.json
 
-The barrier: from the moment the last train replica's gradient sum is flushed to the parameter store,
-through reduce → optimizer step → publish, until the new version is readable by a rollout device (a task
-on a device worker fetches it whole). Two policy sizes (`small`, ~12.6 M parameters, and `medium`,
-~63 M, built here from `pivotrl.engines.checkpoints.MODEL_SIZES`), 2 device workers on a LocalCluster,
-each worker holding one flushed sum (two train replicas). The driver-owned design is
-`pivotrl.grpo.PolicyUpdater` in the driver process; the sharded one is `pivotrl.sharded_updater`.
-Each design runs in its own driver subprocess, so each one's `ru_maxrss` is its own peak.
+The barrier, as the issue writes it (last gradient → reduce → optimizer step → publish → readable): from
+the moment both train replicas' gradient sums are complete in their workers' memory, through each one's
+flush (`TrainContext.flush`'s own code, `pivotrl.runtime.handover.flush_sum`: written to the store for the
+driver-owned design, handed over in memory to the rank for the sharded one), reduce → optimizer step →
+publish, until the new version is readable by a rollout device (a task fetches it whole, read-only, from
+its worker's long-lived store, as a role context does). Two policy sizes (`small`, ~12.6 M parameters, and
+`medium`, ~63 M, built here from `pivotrl.engines.checkpoints.MODEL_SIZES`), 2 device workers on a
+LocalCluster, each worker holding one sum (two train replicas). The driver-owned design is
+`pivotrl.grpo.PolicyUpdater` in the driver process; the sharded one is `pivotrl.sharded_updater`. Each
+design runs in its own driver subprocess, so each one's `ru_maxrss` is its own peak; the designs take
+turns, round by round, and every repeat of every round is pooled.
 
 Keys: `barrier_s_driver`, `barrier_s_sharded` (per size: medians over the repeats), `ratio_barrier_speedup`
-(driver / sharded at the larger size), `driver_peak_rss_mb_driver`, `driver_peak_rss_mb_sharded`, and
-`phases_driver` / `phases_sharded` (per size, the median seconds of each phase: where the barrier went).
+(driver / sharded at the larger size), `driver_peak_rss_mb_driver`, `driver_peak_rss_mb_sharded`,
+`barrier_s_after_flush_*` and `ratio_after_flush` (the same barriers timed from the flushed sums on, this
+benchmark's clock before the flush joined it), `times_*` (every repeat's barrier), and `phases_driver` /
+`phases_sharded` (per size, the median seconds of each phase: where the barrier went). Both: `flush`.
 Driver phases: `fetch` (the sums from the store), `step` (reduce, clip, AdamW), `publish`. Sharded: `plan`
 (the scheduler call), then per phase the slowest rank (`r<i>.<phase>` each rank's own): `dispatch` (task
 start minus submit), `form` (group formation, 0 while membership holds), `fetch` (sums not handed over in
 memory), `settle` (the previous step's behind-the-barrier write, if still running), `counts`, `pack`,
-`exchange` and `sum` (the bucketed reduce-scatter), `clip`, `adam`, `targets`, `shard_write`,
-`written_barrier`, `commit`. Both: `apply` (the updater's whole step), `read` (the rollout device's load),
-and `behind`: the optimizer-state write and gc the sharded ranks do after the barrier (overlapping `read`;
-a run has a whole iteration before the next barrier, so here it is let finish, untimed, between repeats).
+`exchange` and `sum` (the bucketed reduce-scatter; through shared memory between ranks of one host),
+`clip`, `adam`, `targets`, `shard_write`, `written_barrier`, `commit`. Both: `apply` (the updater's whole
+step), `read` (the rollout device's load), and `behind`: the optimizer-state write and gc the sharded
+ranks do after the barrier (overlapping `read`; a run has a whole iteration before the next barrier, so
+here it is let finish, untimed, between repeats).
 
 Both drivers and the workers keep freed heap memory (`pivotrl.malloc.keep_freed_memory`), as `pivotrl.run`
 and the worker plugin set them up in a run. Printed last: the ratio.
@@ -43,46 +50,55 @@ from typing import Any
 SIZES = ("small", "medium")
 
 
-def make_sum(policy: str, version: int, gps: dict[str, Any], name: str, seed: int,
-             hand_over: bool = False) -> dict[str, Any]:
-    """On a worker: a train replica's flushed sum — random gradients of the policy's shapes — published
-    under `name` (and, for the sharded owner, handed over in memory to the rank on this device, as
-    `TrainContext.flush` does with `hand_over` set); returns what its `GradResult` would carry."""
+def make_sum(policy: str, version: int, gps: dict[str, Any], name: str, seed: int) -> None:
+    """On a worker: a train replica's gradient sum of the iteration — random gradients of the policy's
+    shapes, in this worker's memory — as it stands when its last micro-batch is done (untimed)."""
     import torch
+    from distributed import get_worker
 
     from pivotrl.engines.trainer import GradSum
-    from pivotrl.gps import ParameterStore
-    from pivotrl.runtime.handover import hand_over as keep_for_rank
 
     torch.set_num_threads(1)
-    with ParameterStore(gps["root"], device_tier_bytes=0, write_behind=False) as store:
-        man = store.manifest(policy, version)
-        g = torch.Generator().manual_seed(seed)
-        grads = {t.name: torch.randn(t.shape, generator=g) * 1e-3 for t in man.tensors}
-        v = max(store.versions(name), default=-1) + 1 if name in store.models() else 0
-        store.publish(name, v, grads)
-    out = {"model": name, "version": v, "tokens": 1000 + seed, "samples": 8}
-    if hand_over:
-        gs = GradSum(grads=grads, tokens=out["tokens"], samples=8, version=version)
-        keep_for_rank(name, v, gs)
-    return out
+    man = _worker_store(gps).manifest(policy, version)
+    g = torch.Generator().manual_seed(seed)
+    grads = {t.name: torch.randn(t.shape, generator=g) * 1e-3 for t in man.tensors}
+    get_worker().__dict__["_bench_train_step_sum"] = GradSum(grads=grads, tokens=1000 + seed, samples=8,
+                                                             version=version)
 
 
-def read_version(policy: str, version: int, gps: dict[str, Any]) -> float:
-    """On a worker: a rollout device loading the new version (the barrier ends when it has it), as a role
-    context does (`RoleContext.fetch`: a read-only fetch from the worker's long-lived store, here kept on
-    the Dask worker object: this module runs as `__main__`, whose globals each task gets afresh); returns
-    the seconds the fetch itself took (the rest of `read` is the task's round trip)."""
+def flush_sum(gps: dict[str, Any], name: str, hand_over: bool) -> dict[str, Any]:
+    """On a worker: the replica's flush at the barrier, `TrainContext.flush`'s own code
+    (`pivotrl.runtime.handover.flush_sum`): persisted before it returns for the driver-owned design;
+    handed over in memory to the rank here, and persisted behind the barrier, for the sharded one.
+    Returns what its `GradResult` carries."""
+    from distributed import get_worker
+
+    from pivotrl.runtime.handover import flush_sum as flush
+
+    gs = get_worker().__dict__.pop("_bench_train_step_sum")
+    v = flush(_worker_store(gps), name, gs, hand_over=hand_over)
+    return {"model": name, "version": v, "tokens": gs.tokens, "samples": gs.samples}
+
+
+def _worker_store(gps: dict[str, Any]) -> Any:
+    """The worker's long-lived store, as a device worker's `env.gps` is (write-behind on, no device tier),
+    kept on the Dask worker object: this module runs as `__main__`, whose globals each task gets afresh."""
     from distributed import get_worker
 
     from pivotrl.gps import ParameterStore
 
+    stores = get_worker().__dict__.setdefault("_bench_train_step_stores", {})
+    if gps["root"] not in stores:
+        stores[gps["root"]] = ParameterStore(gps["root"], device_tier_bytes=0)
+    return stores[gps["root"]]
+
+
+def read_version(policy: str, version: int, gps: dict[str, Any]) -> float:
+    """On a worker: a rollout device loading the new version (the barrier ends when it has it), as a role
+    context does (`RoleContext.fetch`: a read-only fetch from the worker's long-lived store); returns the
+    seconds the fetch itself took (the rest of `read` is the task's round trip)."""
     t0 = time.perf_counter()
-    w = get_worker()
-    readers = w.__dict__.setdefault("_bench_train_step_readers", {})
-    if gps["root"] not in readers:
-        readers[gps["root"]] = ParameterStore(gps["root"], device_tier_bytes=0)
-    sd = readers[gps["root"]].fetch(policy, version, copy=False)
+    sd = _worker_store(gps).fetch(policy, version, copy=False)
     assert sum(t.numel() for t in sd.values()) > 0
     return time.perf_counter() - t0
 
@@ -143,16 +159,18 @@ def child(design: str, sizes: list[str], repeats: int, root: Path) -> dict[str, 
             else:
                 client.submit(publish_initial, name, str(hf), gps, workers=workers[:1]).result()
                 up = ShardedUpdater(cfg, client, gps, str(hf), PAD_ID, timeout_s=600)
-            times = []
+            times, after_flush = [], []
             phases: dict[str, list[float]] = {}
             for rep in range(repeats + 1):
                 v = up.version
-                refs = [client.submit(make_sum, name, v, gps, f"grad-w{i}", 100 * rep + i,
-                                      design == "sharded", workers=[w], pure=False)
-                        for i, w in enumerate(workers)]
+                client.gather([client.submit(make_sum, name, v, gps, f"grad-w{i}", 100 * rep + i,
+                                             workers=[w], pure=False) for i, w in enumerate(workers)])
+                t0 = time.perf_counter()
+                refs = [client.submit(flush_sum, gps, f"grad-w{i}", design == "sharded", workers=[w],
+                                      pure=False) for i, w in enumerate(workers)]
                 grads = [GradResult(r["model"], r["version"], [], GradStats(r["tokens"], r["samples"], v),
                                     worker=w) for r, w in zip(client.gather(refs), workers, strict=True)]
-                t0 = time.perf_counter()
+                t_flushed = time.perf_counter()
                 nv = up.apply(grads, rep)
                 t1 = time.perf_counter()
                 fetch_s = client.submit(read_version, name, nv, gps, workers=workers[1:], pure=False).result()
@@ -164,42 +182,63 @@ def child(design: str, sizes: list[str], repeats: int, root: Path) -> dict[str, 
                 if hasattr(up, "settle"):
                     up.settle()
                 got = step_phases(up.last_stats, getattr(up, "last_phases", []))
-                got.update(apply=t1 - t0, read=t2 - t1, read_fetch=fetch_s, behind=time.perf_counter() - t2)
+                got.update(flush=t_flushed - t0, apply=t1 - t_flushed, read=t2 - t1, read_fetch=fetch_s,
+                           behind=time.perf_counter() - t2)
                 if rep > 0:
                     times.append(dt)
+                    after_flush.append(t2 - t_flushed)
                     for k, x in got.items():
                         phases.setdefault(k, []).append(x)
                 shown = {k: round(x, 3) for k, x in got.items()}
                 print(f"{design} {size} rep {rep}: {dt:.3f}s {shown}", file=sys.stderr, flush=True)
-            out[size] = statistics.median(times)
-            out[f"phases_{size}"] = {k: round(statistics.median(xs), 4) for k, xs in phases.items()}
+            out[size] = {"times": times, "after_flush": after_flush, "phases": phases}
     out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return out
+
+
+def pooled(parts: list[dict[str, Any]], sizes: list[str]) -> dict[str, Any]:
+    """One design's rounds pooled: per size the median barrier, the median from the flush on, and each
+    phase's median over every repeat of every round; the peak RSS is the largest of its processes'."""
+    out: dict[str, Any] = {"peak_rss_mb": max(p["peak_rss_mb"] for p in parts)}
+    for s in sizes:
+        runs = [p[s] for p in parts]
+        out[s] = statistics.median([x for r in runs for x in r["times"]])
+        out[f"after_flush_{s}"] = statistics.median([x for r in runs for x in r["after_flush"]])
+        out[f"times_{s}"] = [round(x, 4) for r in runs for x in r["times"]]
+        keys = dict.fromkeys(k for r in runs for k in r["phases"])
+        out[f"phases_{s}"] = {
+            k: round(statistics.median([x for r in runs for x in r["phases"].get(k, [])]), 4) for k in keys}
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="3 repeats per size (default 7)")
+    ap.add_argument("--quick", action="store_true",
+                    help="2 rounds of 4 repeats per size and design (default 3 rounds of 5)")
     ap.add_argument("--json", type=Path, help="write the result here")
     ap.add_argument("--child", choices=["driver", "sharded"], help=argparse.SUPPRESS)
     ap.add_argument("--root", type=Path, help="storage root (default: a temporary directory)")
     ap.add_argument("--sizes", default=",".join(SIZES))
     a = ap.parse_args(argv)
-    repeats = 3 if a.quick else 7
+    rounds, repeats = (2, 4) if a.quick else (3, 5)
     sizes = a.sizes.split(",")
     if a.child:
         res = child(a.child, sizes, repeats, a.root)
         a.json.write_text(json.dumps(res))
         return 0
+    # The designs take turns (driver, sharded, driver, ...): this VM's speed drifts over minutes, and one
+    # design's whole series in a slow spell would decide the ratio.
+    parts: dict[str, list[dict[str, Any]]] = {"driver": [], "sharded": []}
     with tempfile.TemporaryDirectory(prefix="pivotrl-train-step-") as tmp:
         root = a.root or Path(tmp)
-        got = {}
-        for design in ("driver", "sharded"):
-            part = root / f"{design}.json"
-            cmd = [sys.executable, "-m", "benchmarks.train_step", "--child", design, "--root", str(root),
-                   "--json", str(part), "--sizes", ",".join(sizes)] + (["--quick"] if a.quick else [])
-            subprocess.run(cmd, check=True)
-            got[design] = json.loads(part.read_text())
+        for rnd in range(rounds):
+            for design in ("driver", "sharded"):
+                part = root / f"{design}-{rnd}.json"
+                cmd = [sys.executable, "-m", "benchmarks.train_step", "--child", design, "--root", str(root),
+                       "--json", str(part), "--sizes", ",".join(sizes)] + (["--quick"] if a.quick else [])
+                subprocess.run(cmd, check=True)
+                parts[design].append(json.loads(part.read_text()))
+    got = {d: pooled(ps, sizes) for d, ps in parts.items()}
     big = sizes[-1]
     result = {
         "barrier_s_driver": {s: got["driver"][s] for s in sizes},
@@ -207,15 +246,22 @@ def main(argv: list[str] | None = None) -> int:
         "driver_peak_rss_mb_driver": got["driver"]["peak_rss_mb"],
         "driver_peak_rss_mb_sharded": got["sharded"]["peak_rss_mb"],
         "ratio_barrier_speedup": got["driver"][big] / got["sharded"][big],
+        # The same barriers timed from the moment both sums were flushed (this benchmark's clock before
+        # the flush joined it): what the designs' reduce-to-readable parts alone compare as.
+        "barrier_s_after_flush_driver": {s: got["driver"][f"after_flush_{s}"] for s in sizes},
+        "barrier_s_after_flush_sharded": {s: got["sharded"][f"after_flush_{s}"] for s in sizes},
+        "ratio_after_flush": got["driver"][f"after_flush_{big}"] / got["sharded"][f"after_flush_{big}"],
         # Where each barrier went (medians per phase, seconds): `apply` is the updater's whole step,
         # `read` the rollout device's fetch of the new version; see `step_phases` for the rest.
         "phases_driver": {s: got["driver"][f"phases_{s}"] for s in sizes},
         "phases_sharded": {s: got["sharded"][f"phases_{s}"] for s in sizes},
+        "times_driver": {s: got["driver"][f"times_{s}"] for s in sizes},
+        "times_sharded": {s: got["sharded"][f"times_{s}"] for s in sizes},
     }
     if a.json:
         a.json.write_text(json.dumps(result, indent=2))
     for k, v in result.items():
-        if k != "ratio_barrier_speedup" and not k.startswith("phases_"):
+        if k != "ratio_barrier_speedup" and not k.startswith(("phases_", "times_")):
             print(f"{k}: {v}")
     print(f"ratio_barrier_speedup: {result['ratio_barrier_speedup']:.3f}")
     return 0
