@@ -15,9 +15,10 @@ posix_fadvise(DONTNEED) (after fsync, outside the timing) and checks with `finco
 left the cache (on a VM the hypervisor may still cache the disk, so "cold" is a lower bound).
 
 The raw-read baseline is the faster (by median) of `numpy.fromfile` and one `preadv` of the whole file into
-a fresh numpy buffer (the allocator our fetch uses). Writes and reads run in separate phases, in an order
-rotated every round, with an untimed `os.sync()` before every timed call, so that background writeback of
-one contender never lands in another's timing.
+one numpy buffer reused by every raw read, as a store's fetch lands in the buffer of its earlier fetch
+(`pivotrl.gps.arena`): like for like, neither pays the first touch of fresh memory. Writes and reads run
+in separate phases, in an order rotated every round, with an untimed `os.sync()` before every timed call,
+so that background writeback of one contender never lands in another's timing.
 One warm-up round is excluded from the medians.
 
 `peer_fetch_vs_raw_read` (a fetch by a worker of one "node" that pulls the version from another node's
@@ -116,8 +117,12 @@ def run(quick: bool, tmp_root: str | None) -> dict:
             for a in man.arrays:
                 g[a.name][:]
 
+        raw_buf: list[np.ndarray] = []  # one buffer for every raw read, as the store's read arena reuses its
+
         def raw_read() -> None:
-            buf = np.empty(raw_path.stat().st_size, dtype=np.uint8)
+            if not raw_buf or raw_buf[0].nbytes != raw_path.stat().st_size:
+                raw_buf[:] = [np.empty(raw_path.stat().st_size, dtype=np.uint8)]
+            buf = raw_buf[0]
             fd = os.open(raw_path, os.O_RDONLY)
             try:
                 assert os.preadv(fd, [buf], 0) == buf.nbytes
