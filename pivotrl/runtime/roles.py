@@ -342,8 +342,8 @@ class TrainContext(_Weights):
 
     def flush(self) -> GradResult | None:
         """Hand in the local gradient sum's ref: persisted to the GPS first (the driver owns the optimizer),
-        or kept in memory for the sharded owner's rank here and persisted behind the barrier
-        (`pivotrl.runtime.handover.flush_sum`). Only this device writes under its name."""
+        or kept in memory for the sharded owner's rank here, and written to the GPS only if another process
+        needs it (`pivotrl.runtime.handover`). Only this device writes under its name."""
         from pivotrl.runtime.handover import flush_sum
 
         if self.sum is None:
