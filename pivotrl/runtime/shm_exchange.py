@@ -100,7 +100,9 @@ class ShmExchange:
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
             try:
-                os.ftruncate(fd, lengths[rank])
+                # Reserve the pages now: a tmpfs too small for the segment (a container's 64 MB /dev/shm)
+                # fails here, and the group stays on the process group, instead of a SIGBUS mid-step.
+                os.posix_fallocate(fd, 0, lengths[rank])
                 maps[rank] = mmap.mmap(fd, lengths[rank])
             finally:
                 os.close(fd)

@@ -198,6 +198,35 @@ def test_ranks_on_different_hosts_keep_to_the_process_group(tmp_path: Path,
     assert _max_diff(ranks.store.fetch(NAME, 1), ref.model.state_dict()) <= 1e-10
 
 
+def test_a_shared_memory_too_small_for_one_rank_keeps_every_rank_on_the_process_group(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One rank cannot reserve its segment (a container's small /dev/shm: ENOSPC): no rank uses shared
+    memory, nothing is left in /dev/shm, and the step is still right."""
+    import errno
+    import threading
+
+    from pivotrl.runtime import shm_exchange
+
+    real, calls, lock = shm_exchange.os.posix_fallocate, [], threading.Lock()
+
+    def second_fails(fd: int, offset: int, length: int) -> None:
+        with lock:
+            calls.append(length)
+            n = len(calls)
+        if n == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(fd, offset, length)
+
+    monkeypatch.setattr(shm_exchange.os, "posix_fallocate", second_fails)
+    monkeypatch.setenv(ENV_SWITCH, "1")
+    ranks = Ranks(tmp_path)
+    samples = random_samples(6, 4)
+    out = ranks.step(2, samples, version=0)
+    assert len(calls) == 2 and all(tr._shm is None and tr._shm_tried for _stats, _t, tr in out)
+    assert not list(SHM_DIR.glob("pivotrl-train-*"))
+    assert _max_diff(ranks.store.fetch(NAME, 1), _reference([(samples, None)]).model.state_dict()) <= 1e-10
+
+
 def test_a_handed_over_sum_is_taken_once_and_only_at_its_version() -> None:
     from pivotrl.engines.trainer import GradSum
     from pivotrl.runtime.handover import hand_over, take
