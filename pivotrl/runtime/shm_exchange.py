@@ -91,7 +91,7 @@ class ShmExchange:
         if not bool((ids == ids[0]).all()):
             return None
         token = group.broadcast_str(uuid.uuid4().hex[:16])
-        nbytes = [numel * torch.empty(0, dtype=dtype).element_size() for numel, dtype in sizes]
+        nbytes = [numel * dtype.itemsize for numel, dtype in sizes]
         offsets = layout(buckets, nbytes, world)
         lengths = [max(_ALIGN, max((o + nbytes[b] for b, o in offs.items()), default=0)) for offs in offsets]
         path = SHM_DIR / f"pivotrl-train-{token}-r{rank}"

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import logging
 import os
 import threading
@@ -371,8 +372,11 @@ class TrainRank:
         Why: packing the whole model's gradient was a copy of every byte before the exchange."""
         if len(names) == 1 and names[0] in own.grads and own.grads[names[0]].is_contiguous():
             return own.grads[names[0]].detach().view(-1)
-        return torch.cat([(own.grads[n] if n in own.grads else torch.zeros_like(self.trainer.params[n]))
-                          .detach().reshape(-1) for n in names])
+        parts = [own.grads.get(n, self.trainer.params[n]) for n in names]  # (a param: only its shape, dtype)
+        dtype = functools.reduce(torch.promote_types, [t.dtype for t in parts])
+        out = torch.empty(sum(t.numel() for t in parts), dtype=dtype, device=parts[0].device)
+        self._flat_into(own, names, out)
+        return out
 
     def step(self, local: GradSum | None, folded: Sequence[GradSum] = ()) -> StepStats:
         """Reduce-scatter, then AdamW on the owned tensors only; the version advances on every rank.

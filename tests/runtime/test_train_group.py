@@ -83,6 +83,15 @@ def _reference(steps: list[tuple[list, list | None]]) -> GRPOTrainer:
     return ref
 
 
+def _assert_committed_exactly(store: ParameterStore, version: int, ref: GRPOTrainer) -> None:
+    """The committed `version` and its optimizer state are the single owner's, bit for bit."""
+    got = store.fetch(NAME, version)
+    assert all(torch.equal(got[k], v) for k, v in ref.model.state_dict().items())
+    opt = store.fetch(f"{NAME}.optim", version)
+    for n, p in ref.params.items():
+        assert torch.equal(opt[f"exp_avg_sq/{n}"], ref.optimizer.state[p]["exp_avg_sq"])
+
+
 def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys()
     return max(float((a[k] - b[k]).abs().max()) for k in a)
@@ -104,11 +113,7 @@ def test_one_rank_is_bit_identical_to_the_single_owner(tmp_path: Path) -> None:
         (out,) = ranks.step(1, b, version=v)
         assert not isinstance(out, BaseException), out
     ref = _reference([(b, None) for b in batches])
-    got = ranks.store.fetch(NAME, 2)
-    assert all(torch.equal(got[k], v) for k, v in ref.model.state_dict().items())
-    opt = ranks.store.fetch(f"{NAME}.optim", 2)
-    for n, p in ref.params.items():
-        assert torch.equal(opt[f"exp_avg_sq/{n}"], ref.optimizer.state[p]["exp_avg_sq"])
+    _assert_committed_exactly(ranks.store, 2, ref)
 
 
 def test_two_ranks_with_a_departed_sum_and_reshards_match_the_single_owner(tmp_path: Path,
@@ -175,11 +180,7 @@ def test_four_ranks_reduce_in_the_single_owners_order_bit_for_bit(tmp_path: Path
         out = [f.result() for f in [ex.submit(run, r) for r in range(4)]]
     want = ref.apply(reduce([sums[0], departed, *sums[1:]]))
     assert not want.skipped and {o.grad_norm for o in out} == {want.grad_norm}
-    got = ranks.store.fetch(NAME, 1)
-    assert all(torch.equal(got[k], v) for k, v in ref.model.state_dict().items())
-    opt = ranks.store.fetch(f"{NAME}.optim", 1)
-    for n, p in ref.params.items():
-        assert torch.equal(opt[f"exp_avg_sq/{n}"], ref.optimizer.state[p]["exp_avg_sq"])
+    _assert_committed_exactly(ranks.store, 1, ref)
 
 
 def test_ranks_on_different_hosts_keep_to_the_process_group(tmp_path: Path,
