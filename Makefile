@@ -1,6 +1,8 @@
 # Two commands for a newcomer: `make demo` and `make test`. Everything is installed into .venv.
-# torch is installed first and pinned, so that a CPU machine takes the CPU build from local disk instead of
-# pulling a multi-GB CUDA build. Override on a GPU box: `make setup TORCH_SPEC='torch==2.13.0' EXTRAS=dev,gpu`.
+# torch is installed first and pinned, by pip, so that a CPU machine takes the CPU build from local disk instead
+# of pulling a multi-GB CUDA build; the rest by uv (the installed torch satisfies it, so uv keeps it), with
+# pip as the fallback (see docs/decisions.md#set-up-installs-with-uv).
+# Override on a GPU box: `make setup TORCH_SPEC='torch==2.13.0' EXTRAS=dev,gpu`.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -17,9 +19,10 @@ setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q --upgrade pip uv
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
+	$(VENV)/bin/uv pip install --python $(PY) --compile-bytecode -q -e ".[$(EXTRAS)]" \
+		|| $(PY) -m pip install -q -e ".[$(EXTRAS)]"
 	@touch $@
 
 test: setup
