@@ -396,6 +396,7 @@ def run_iterations(
     evaluate_fn: Callable[[int, Callable[[Collected], None]], float] | None = None,
     max_staleness: int = 0,
     first_iteration: int = 0,
+    clock: Callable[[], float] = time.monotonic,
 ) -> list[dict[str, Any]]:
     """The driver every executor runs: draw each iteration's prompts, make its samples, announce its plan,
     run it (its optimizer steps included), meter it (a progress bar, or one log line per iteration).
@@ -409,8 +410,10 @@ def run_iterations(
     `evaluate_fn(iteration, divert)` runs after every `evaluate_every`-th iteration and after the last one
     (its result lands in the row as `heldout_accuracy`), before the next iteration may train, so it measures
     that iteration's policy; output of iterations still in flight that it collects goes to `divert`. The time
-    budget counts iterations and evaluations. A resumed run starts at `first_iteration` (the iterations
-    before it have trained; `iterations` is the run's total)."""
+    budget counts iterations and evaluations. Whether an iteration is the last is decided when it completes:
+    with nothing else in flight, the next one starts unless the budget was spent by then (time spent after
+    that, in `on_iteration`'s checkpoint, say, cannot leave the run ending unevaluated). A resumed run
+    starts at `first_iteration` (the iterations before it have trained; `iterations` is the run's total)."""
     from pivotrl.core.staleness import InFlight, StalenessBound
     from pivotrl.runtime.metrics import IterationMeter
 
@@ -419,7 +422,7 @@ def run_iterations(
     meter = IterationMeter(session, log)
     rows: list[dict[str, Any]] = []
     bar = _progress_bar(iterations, first_iteration) if progress else None
-    t_start = time.monotonic()
+    t_start = clock()
     runs: list[IterationRun] = []  # in flight, oldest first
     started = trained = first_iteration
     budget_hit = False
@@ -445,7 +448,8 @@ def run_iterations(
             newest_done = not runs or runs[-1].rollouts_done
             if not bound.may_start(InFlight(started, trained, newest_done)):
                 break
-            over = time_budget_s is not None and time.monotonic() - t_start >= time_budget_s
+            # with nothing in flight the last completion has decided already (budget_hit)
+            over = bool(runs) and time_budget_s is not None and clock() - t_start >= time_budget_s
             if over and started > first_iteration:
                 log(f"run.time_budget_s={time_budget_s:g} reached after {started} iterations; finishing")
                 budget_hit = True
@@ -472,11 +476,11 @@ def run_iterations(
             if res.staleness:
                 row["staleness_mean"] = sum(res.staleness) / len(res.staleness)
                 row["staleness_max"] = max(res.staleness)
-            row["elapsed_s"] = time.monotonic() - t_start
+            row["elapsed_s"] = clock() - t_start
             if hasattr(ctx.task, "epochs"):  # a dataset: epochs of its train split drawn so far
                 row["epochs"] = ctx.task.epochs(cfg.task.prompts_per_iteration, res.iteration)
             budget_hit = budget_hit or (
-                time_budget_s is not None and time.monotonic() - t_start >= time_budget_s
+                time_budget_s is not None and clock() - t_start >= time_budget_s
             )
             last = not runs and (trained == iterations or budget_hit)
             due = evaluate_every and trained % evaluate_every == 0

@@ -4,6 +4,8 @@ trained, steps stay in iteration order, every sample trains once, and the record
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pivotrl.config import PipelineConfig
 from pivotrl.engines.checkpoints import build_tokenizer
@@ -54,7 +56,7 @@ class CountingUpdater:
         return self.version
 
 
-def _run(k: int, iterations: int = 4, per_collect: int = 5):
+def _run(k: int, iterations: int = 4, per_collect: int = 5, **kwargs):
     tok = build_tokenizer()
     task = get_task("sort", {"median": 3, "max_size": 6})
     cfg = PipelineConfig.model_validate(
@@ -64,7 +66,7 @@ def _run(k: int, iterations: int = 4, per_collect: int = 5):
     sess = TimelineSession(task, tok, timeline, per_collect)
     ctx = StageContext(tokenizer=tok, task=task, cfg=cfg)
     pipe = Pipeline(default_stages(), ctx, sess, CountingUpdater(timeline), poll_s=0.0)
-    rows = run_iterations(pipe, iterations=iterations, log=lambda _: None, max_staleness=k)
+    rows = run_iterations(pipe, iterations=iterations, log=lambda _: None, max_staleness=k, **kwargs)
     return rows, timeline, sess
 
 
@@ -108,3 +110,47 @@ def test_the_next_iteration_waits_until_the_previous_finished_generating():
     for it in range(1, 4):
         last_rollout_done = max(i for i, e in enumerate(timeline) if e == ("result", "rollout", it - 1))
         assert _first_rollout(timeline, it) > last_rollout_done
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    k=st.integers(0, 2),
+    iterations=st.integers(1, 5),
+    per_collect=st.sampled_from([1, 5, 1000]),
+    budget=st.floats(0.5, 6.0),
+    steps=st.lists(st.floats(0.0, 3.0), min_size=1, max_size=8),
+    commit=st.lists(st.floats(0.0, 3.0), min_size=1, max_size=8),
+)
+def test_a_run_ended_by_its_time_budget_is_evaluated_after_its_last_iteration(
+    k, iterations, per_collect, budget, steps, commit
+):
+    """Time passes in an iteration (each clock reading after the start) and in its checkpoint commit
+    (`on_iteration`); wherever the budget runs out, the run's last iteration is evaluated, no iteration
+    starts after one that completed past the budget with nothing else in flight, and none is skipped."""
+    now = [0.0]
+    readings = [0]
+
+    def clock() -> float:
+        readings[0] += 1
+        if readings[0] > 1:
+            now[0] += steps[readings[0] % len(steps)] / 10
+        return now[0]
+
+    def on_iteration(res, row) -> None:
+        now[0] += commit[res.iteration % len(commit)]
+
+    evaluated: list[int] = []
+
+    def evaluate(it: int, divert) -> float:
+        evaluated.append(it)
+        return 50.0
+
+    rows, _, _ = _run(
+        k, iterations, per_collect, time_budget_s=budget, clock=clock, on_iteration=on_iteration,
+        evaluate_fn=evaluate,
+    )
+    assert [r["iteration"] for r in rows] == list(range(len(rows)))
+    assert evaluated == [rows[-1]["iteration"]] and "heldout_accuracy" in rows[-1]
+    if k == 0:  # on-policy: a completion past the budget is the last one
+        assert all(r["elapsed_s"] < budget for r in rows[:-1])
+        assert len(rows) == iterations or now[0] >= budget
