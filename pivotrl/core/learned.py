@@ -18,6 +18,7 @@ from pivotrl.core.types import Role
 
 if TYPE_CHECKING:
     from pivotrl.core.controller import Controller
+    from pivotrl.core.throughput import ThroughputModel
 
 FORMAT = 1
 
@@ -78,16 +79,21 @@ def _profile(p: dict[str, Any]) -> IterationProfile:
                             float(p["predicted_s"]), roles, shift)
 
 
+def _fit_state(m: ThroughputModel) -> dict[str, Any]:
+    sums, kx, samples = m.statistics()
+    return {"a": m.a, "b": m.b, "tokens_per_seq_step": m.tokens_per_seq_step, "s": sums, "kx": kx,
+            "samples": samples}
+
+
 def learned_state(ctl: Controller) -> LearnedState:
     """What `ctl` has learned so far."""
     sc = ctl.shift_costs
+    by_pair, by_destination = sc.averages()
     pairs = tuple((None if f is None else str(f), str(t), float(v), int(sc.samples.get((f, t), 0)),
                    dict(sc.phases.get((f, t), {}))) for (f, t), v in sorted(
-        sc._pair.items(), key=lambda kv: (str(kv[0][0]), str(kv[0][1]))))
-    to = tuple((str(r), float(v)) for r, v in sorted(sc._to.items(), key=lambda kv: str(kv[0])))
-    fits = tuple((str(r), {"a": m.a, "b": m.b, "tokens_per_seq_step": m.tokens_per_seq_step,
-                           "s": list(m._s), "kx": list(m._kx), "samples": m.samples})
-                 for r, m in ctl.state.role_models.items())
+        by_pair.items(), key=lambda kv: (str(kv[0][0]), str(kv[0][1]))))
+    to = tuple((str(r), float(v)) for r, v in sorted(by_destination.items(), key=lambda kv: str(kv[0])))
+    fits = tuple((str(r), _fit_state(m)) for r, m in ctl.state.role_models.items())
     last = ctl.profiles[-1] if ctl.profiles else None
     prof = None if last is None else {
         "iteration": last.iteration, "makespan_s": last.makespan_s, "mode": last.mode,
@@ -103,16 +109,13 @@ def restore_learned(ctl: Controller, state: LearnedState) -> None:
     profile, which the first `begin_iteration` hands the policy as the iteration that just ended."""
     sc = ctl.shift_costs
     for f, t, v, n, phases in state.shift_pairs:
-        key = (_role(f), Role(t))
-        sc._pair[key], sc.samples[key], sc.phases[key] = float(v), int(n), dict(phases)
+        sc.restore_pair((_role(f), Role(t)), v, n, phases)
     for t, v in state.shift_to:
-        sc._to[Role(t)] = float(v)
+        sc.restore_destination(Role(t), v)
     for r, f in state.fits:
         m = ctl.state.role_models.get(Role(r))
-        if m is None:
-            continue
-        m._s, m._kx, m.samples = list(f["s"]), list(f["kx"]), int(f["samples"])
-        m._refit()
+        if m is not None:
+            m.restore_statistics(f["s"], f["kx"], f["samples"])
     if state.last_profile is not None:
         ctl.profiles.append(_profile(state.last_profile))
         ctl.resumed_profile = ctl.profiles[-1]

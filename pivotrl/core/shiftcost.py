@@ -50,6 +50,20 @@ class ShiftCostModel:
         self.samples[key] = self.samples.get(key, 0) + 1
         return total
 
+    def averages(self) -> tuple[dict[tuple[Role | None, Role], float], dict[Role, float]]:
+        """The running averages per (from, to) pair and per destination (copies), for a checkpoint."""
+        return dict(self._pair), dict(self._to)
+
+    def restore_pair(
+        self, key: tuple[Role | None, Role], seconds: float, samples: int, phases: dict[str, float]
+    ) -> None:
+        """Put back one pair's average, sample count and phase averages from a checkpoint."""
+        self._pair[key], self.samples[key], self.phases[key] = float(seconds), int(samples), dict(phases)
+
+    def restore_destination(self, to_role: Role, seconds: float) -> None:
+        """Put back the average shift into `to_role` (from any role) from a checkpoint."""
+        self._to[to_role] = float(seconds)
+
     def duration(self, from_role: Role | None, to_role: Role) -> float:
         """Expected seconds a device is unproductive when moving from `from_role` to `to_role`."""
         got = self._pair.get((from_role, to_role))

@@ -83,6 +83,18 @@ class ThroughputModel:
         if self._kx[1] > 0:
             self.tokens_per_seq_step = self._kx[0] / self._kx[1]
 
+    def statistics(self) -> tuple[list[float], list[float], int]:
+        """What the fit is computed from (the weighted sums, the tokens-per-sequence sums, the sample
+        count): a checkpoint keeps these, so a resumed run refits to exactly the same line."""
+        return list(self._s), list(self._kx), self.samples
+
+    def restore_statistics(self, sums: list[float], kx: list[float], samples: int) -> None:
+        """Replace the measured statistics with a checkpoint's (`statistics`) and refit."""
+        if len(sums) != 5 or len(kx) != 2:
+            raise ValueError(f"throughput statistics: 5 sums and 2 kx values, got {len(sums)} and {len(kx)}")
+        self._s, self._kx, self.samples = [float(x) for x in sums], [float(x) for x in kx], int(samples)
+        self._refit()
+
     def spawn(self) -> ThroughputModel:
         """A model for a new replica: starts from this (role-shared) fit, then learns on its own."""
         return ThroughputModel(self.a, self.b, self.tokens_per_seq_step, self.decay, self.prior_weight)

@@ -82,3 +82,26 @@ def test_rate_concave_increasing(a: float, b: float, n: int, obs: list[tuple[int
     assert g0 > 0
     assert g1 <= g0 * (1 + 1e-9)
     assert m.rate(n) <= m.peak_rate * (1 + 1e-9)
+
+
+@given(
+    obs=st.lists(st.tuples(st.integers(1, 64), st.floats(1e-3, 1.0)), min_size=0, max_size=20),
+    more=st.lists(st.tuples(st.integers(1, 64), st.floats(1e-3, 1.0)), min_size=0, max_size=5),
+)
+def test_restored_statistics_refit_to_the_same_line_and_learn_on_alike(obs, more) -> None:
+    """A model restored from another's statistics predicts exactly what the original does, before and
+    after both see the same further samples (what a resumed run relies on)."""
+    original, restored = ThroughputModel(0.01, 1e-4), ThroughputModel(0.01, 1e-4)
+    for n, t in obs:
+        original.observe(n, t)
+    restored.restore_statistics(*original.statistics())
+    for n, t in more:
+        original.observe(n, t)
+        restored.observe(n, t)
+    assert (restored.a, restored.b, restored.samples) == (original.a, original.b, original.samples)
+    assert restored.tokens_per_seq_step == original.tokens_per_seq_step
+
+
+def test_restored_statistics_of_the_wrong_shape_are_refused() -> None:
+    with pytest.raises(ValueError, match="5 sums and 2 kx"):
+        ThroughputModel(0.01, 1e-4).restore_statistics([0.0] * 4, [0.0, 0.0], 0)
