@@ -19,7 +19,8 @@ setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip uv
+	$(PY) -m pip install -q --upgrade pip
+	-$(PY) -m pip install -q uv
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(VENV)/bin/uv pip install --python $(PY) --compile-bytecode -q -e ".[$(EXTRAS)]" \
 		|| $(PY) -m pip install -q -e ".[$(EXTRAS)]"
