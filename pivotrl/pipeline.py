@@ -426,7 +426,11 @@ def run_iterations(
     runs: list[IterationRun] = []  # in flight, oldest first
     started = trained = first_iteration
     budget_hit = False
+
     rollout_spec: int | None = None  # the version devices taking up rollout load (the newest rollouts')
+
+    def budget_spent() -> bool:
+        return time_budget_s is not None and clock() - t_start >= time_budget_s
 
     def rollouts_at(version: int) -> None:
         nonlocal rollout_spec
@@ -449,8 +453,7 @@ def run_iterations(
             if not bound.may_start(InFlight(started, trained, newest_done)):
                 break
             # with nothing in flight the last completion has decided already (budget_hit)
-            over = bool(runs) and time_budget_s is not None and clock() - t_start >= time_budget_s
-            if over and started > first_iteration:
+            if runs and budget_spent():
                 log(f"run.time_budget_s={time_budget_s:g} reached after {started} iterations; finishing")
                 budget_hit = True
                 break
@@ -479,9 +482,7 @@ def run_iterations(
             row["elapsed_s"] = clock() - t_start
             if hasattr(ctx.task, "epochs"):  # a dataset: epochs of its train split drawn so far
                 row["epochs"] = ctx.task.epochs(cfg.task.prompts_per_iteration, res.iteration)
-            budget_hit = budget_hit or (
-                time_budget_s is not None and clock() - t_start >= time_budget_s
-            )
+            budget_hit = budget_hit or budget_spent()
             last = not runs and (trained == iterations or budget_hit)
             due = evaluate_every and trained % evaluate_every == 0
             if evaluate_fn is not None and (last or due):
