@@ -131,7 +131,8 @@ class Controller:
             self.state.update_progress(seq, generated)
         if payload is not None:
             seq.payload = payload
-        self.meter.observe(seq.role, float(seq.generated), float(seq.prompt_tokens))
+        self.meter.observe(seq.role, float(seq.generated), float(seq.prompt_tokens), now,
+                           len(self.state.by_role.get(seq.role, {})))
         self.state.finish(seq, now)
         return seq
 

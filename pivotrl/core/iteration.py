@@ -39,7 +39,7 @@ PRIOR_LONGEST_OVER_MEAN = 4.0
 TAIL_FRACTIONS = (0.5, 0.25, 0.1, 0.03, 0.01, 0.003, 0.001, 3e-4, 1e-4, 3e-5, 1e-5)
 
 #: Fractions of an iteration's groups still incomplete at which the train stage's backlog is checked.
-GROUP_FRACTIONS = (0.5, 0.25, 0.1, 0.03, 0.01, 0.003, 0.001)
+GROUP_FRACTIONS = (0.99, 0.95, 0.9, 0.75, 0.5, 0.25, 0.1, 0.03, 0.01, 0.003, 0.001)
 
 MODES = ("static", "dynamic", "colocated")
 
@@ -65,9 +65,18 @@ def tail_lengths(lengths: np.ndarray) -> tuple[float, ...]:
 
 
 @dataclass(frozen=True)
+class SyncSample:
+    """The synchronisation measured after the last train item of an iteration (to the next iteration's
+    begin: on-policy, the gradient reduction, optimizer step and publish) and the train replicas then."""
+
+    seconds: float
+    replicas: int
+
+
+@dataclass(frozen=True)
 class IterationProfile:
     """What core measured of one iteration: its makespan (begin to the next begin), the plan it ran, the
-    work per role, and the shift durations learned so far (per target role)."""
+    work per role, the shift durations learned so far (per target role) and the train sync."""
 
     iteration: int
     makespan_s: float
@@ -75,6 +84,7 @@ class IterationProfile:
     predicted_s: float
     roles: dict[Role, RoleProfile]
     shift_in_s: dict[Role, float] = field(default_factory=dict)
+    sync: SyncSample | None = None
 
 
 class IterationMeter:
@@ -86,14 +96,22 @@ class IterationMeter:
         self._lengths: dict[Role, list[float]] = {}
         self.started_at: float | None = None
         self.iteration = -1
+        self._trained: tuple[float, int] | None = None  # (when, train replicas) of the last train item
 
     def begin(self, iteration: int, now: float) -> None:
         self._acc = {}
         self._lengths = {}
         self.started_at = now
         self.iteration = iteration
+        self._trained = None
 
-    def observe(self, role: Role, tokens: float, prompt_tokens: float = 0.0) -> None:
+    def observe(
+        self, role: Role, tokens: float, prompt_tokens: float = 0.0, now: float | None = None,
+        replicas: int = 0,
+    ) -> None:
+        """One finished item of `role`; `now` and the role's `replicas` then (train: the sync's sample)."""
+        if role is Role.TRAIN and now is not None:
+            self._trained = (now, replicas)
         acc = self._acc.setdefault(role, [0.0, 0.0, 0.0, 0.0])
         acc[0] += 1
         acc[1] += tokens
@@ -116,7 +134,10 @@ class IterationMeter:
             if a[0] > 0
         }
         shift = {r: shift_in(costs, r) for r in PIPELINE}
-        return IterationProfile(self.iteration, now - self.started_at, mode, predicted_s, roles, shift)
+        sync = None
+        if self._trained is not None and self._trained[1] > 0:
+            sync = SyncSample(max(0.0, now - self._trained[0]), self._trained[1])
+        return IterationProfile(self.iteration, now - self.started_at, mode, predicted_s, roles, shift, sync)
 
 
 def shift_in(costs: ShiftCostModel, role: Role) -> float:
@@ -143,9 +164,15 @@ class Stage:
     prefill_s: float = 0.0  # seconds one replica pauses to prefill one item's prompt
     tail: tuple[float, ...] = ()  # lengths at TAIL_FRACTIONS (empty: only the mean and the longest known)
     group: int = 1  # items per group (the train stage's items arrive by whole groups)
+    sync_fixed_s: float = 0.0  # after the stage's last item: sync(m) = fixed + shared / m (`RoleSpec`)
+    sync_shared_s: float = 0.0
 
     def step(self, conc: np.ndarray) -> np.ndarray:
         return self.a + self.b * self.k * conc
+
+    def sync(self, m: np.ndarray) -> np.ndarray:
+        """Seconds between the stage's last item and the next iteration with `m` replicas."""
+        return self.sync_fixed_s + self.sync_shared_s / np.maximum(np.asarray(m, dtype=float), 1.0)
 
     def points(self) -> tuple[np.ndarray, np.ndarray]:
         """(f, length): a fraction f of the items is at least `length` long, for the tail fractions that
@@ -196,8 +223,21 @@ class Stage:
         fs, ls = self.points()
         n = max(self.seqs, 1.0)
         for f, length in zip(fs, ls):
-            end = np.maximum(end, q * (1.0 - 1.0 / (f * n + 1.0)) + length * step + first)
+            start = q * (1.0 - 1.0 / (f * n + 1.0))
+            end = np.maximum(end, start + self.run_s(start, length, drain, per, conc) + first)
         return drain, end
+
+    def run_s(self, start: np.ndarray, length: float | np.ndarray, drain: np.ndarray, per: np.ndarray,
+              conc: np.ndarray) -> np.ndarray:
+        """Seconds an item of `length` tokens takes from `start` on a replica that drains its `per` items
+        in `drain` seconds. With step = a + b·x, any span of steps takes a·steps + b·(tokens decoded in
+        it): the item's `length` steps, and the tokens its batch decodes meanwhile — at most a full batch
+        per step, and no more than the replica has left at `start` (a long item that outlives its batch
+        runs alone at the short step of a small batch, where a full batch's step would price its tail
+        ~25 % slow)."""
+        left = per * self.mean * np.maximum(0.0, 1.0 - start / np.maximum(drain, 1e-12))
+        work = np.minimum(conc * length, np.maximum(length, left))
+        return self.a * length + self.b * self.k * work
 
     def emitted(self, m: np.ndarray, f: float) -> np.ndarray:
         """When all but a fraction `f` of the items have ended (the f·n last to end are still running): the
@@ -209,7 +249,7 @@ class Stage:
             f = 0.0  # the last item: the whole drain
         if not self.decode:
             return drain * (1.0 - f)
-        per, conc, step = self._batch(m)
+        per, conc, _ = self._batch(m)
         q = np.maximum(0.0, 1.0 - conc / per) * drain
         n = max(self.seqs, 1.0)
         out = drain * (1.0 - f)
@@ -217,7 +257,8 @@ class Stage:
         for fp, length in zip(fs, ls):
             if fp * n >= f * n - 1e-9:
                 start = q * np.maximum(0.0, 1.0 - max(f * n, 1.0) / (fp * n + 1.0))
-                out = np.maximum(out, start + length * step + conc * self.prefill_s)
+                run = self.run_s(start, length, drain, per, conc)
+                out = np.maximum(out, start + run + conc * self.prefill_s)
         return out
 
     def after(self, up_emitted: dict[float, np.ndarray], m: np.ndarray, f: float) -> np.ndarray:
@@ -226,11 +267,12 @@ class Stage:
         fa·n last to arrive, a fraction f/fa is at least `length_at(f/fa)` long and runs at this stage's
         step time after its prefill. Never before its own emission with every item available."""
         own = self.emitted(m, f)
-        _, _, step = self._batch(m)
+        per, conc, _ = self._batch(m)
+        drain, _ = self.timing(m)
         for fa, t in up_emitted.items():
             if fa >= f:
                 length = self.length_at(np.asarray(f / fa))
-                own = np.maximum(own, t + length * step + self.prefill_s)
+                own = np.maximum(own, t + self.run_s(t, length, drain, per, conc) + self.prefill_s)
         return own
 
     def last_item_s(self) -> float:
@@ -293,6 +335,9 @@ def stages(
     out = {}
     for r in PIPELINE:
         spec = state.config.spec(r)
+        fixed, shared = spec.sync_fixed_s, spec.sync_shared_s
+        if r is Role.TRAIN and last is not None and last.sync is not None:
+            fixed, shared = learned_sync(fixed, shared, last.sync)
         model = state.role_models[r]
         cap = float(spec.max_seqs)
         if ctx[r] > 0:
@@ -314,8 +359,20 @@ def stages(
             pre,
             tails[r] if len(tails[r]) == len(TAIL_FRACTIONS) else (),
             max(int(plan.group_size), 1),
+            fixed,
+            shared,
         )
     return out
+
+
+def learned_sync(fixed: float, shared: float, sample: SyncSample) -> tuple[float, float]:
+    """The sync prior (fixed + shared / m) rescaled to pass through the measured sample; with no prior,
+    the sample as a fixed cost (one measurement cannot tell the shared part from the fixed one)."""
+    prior = fixed + shared / max(sample.replicas, 1)
+    if prior <= 1e-12:
+        return sample.seconds, 0.0
+    k = sample.seconds / prior
+    return fixed * k, shared * k
 
 
 def static_makespans(st: dict[Role, Stage], reps: dict[Role, np.ndarray]) -> np.ndarray:
@@ -325,7 +382,7 @@ def static_makespans(st: dict[Role, Stage], reps: dict[Role, np.ndarray]) -> np.
     matching part of the first (`Stage.after`). Train items arrive by groups (a group is complete when all
     its members are judged, so a fraction fg of groups is still incomplete while 1 − (1 − fg)^(1/G) of
     the judgements are): after that point train still has fg of its work to drain. Train ends with the
-    latest of those, its own drain, and one step after the last judgement."""
+    latest of those, its own drain, and one step after the last judgement; then it syncs (`Stage.sync`)."""
     ro, rw, tr = (st[r] for r in PIPELINE)
     m_ro, m_rw, m_tr = (np.asarray(reps[r], dtype=float) for r in PIPELINE)
     n = max(ro.seqs, 1.0)
@@ -341,7 +398,7 @@ def static_makespans(st: dict[Role, Stage], reps: dict[Role, np.ndarray]) -> np.
             break
         fi = 1.0 - (1.0 - fg) ** (1.0 / g)
         end = np.maximum(end, rw.after(up, m_rw, fi) + fg * drain_tr)
-    return end
+    return end + tr.sync(m_tr)
 
 
 def best_static(st: dict[Role, Stage], n_devices: int) -> tuple[dict[Role, int], float] | None:
@@ -367,8 +424,9 @@ def colocated_makespan(st: dict[Role, Stage], n_devices: int) -> float:
     """Every stage alone on the whole cluster in turn, one full-cluster shift before each."""
     total = 0.0
     for s in st.values():
-        _, end = s.timing(np.asarray(float(max(n_devices // s.g, 1))))
-        total += float(end) + s.shift_s
+        m = np.asarray(float(max(n_devices // s.g, 1)))
+        _, end = s.timing(m)
+        total += float(end) + s.shift_s + float(s.sync(m))
     return total
 
 
@@ -383,7 +441,9 @@ def dynamic_makespan(st: dict[Role, Stage], n_devices: int, static_split: dict[R
     moving = 2.0 * mean_shift * (1.0 - share)
     _, l_ro = first.timing(np.asarray(float(max(n_devices // first.g, 1))))
     chain = float(l_ro) + st[Role.REWARD].last_item_s() + st[Role.TRAIN].last_item_s()
-    return max(fluid + moving, chain)
+    tr = st[Role.TRAIN]
+    sync = float(tr.sync(np.asarray(float(max((static_split or {}).get(Role.TRAIN, n_devices) // tr.g, 1)))))
+    return max(fluid + moving, chain) + sync
 
 
 @dataclass(frozen=True)

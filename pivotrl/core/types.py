@@ -127,6 +127,10 @@ class RoleSpec:
     `prior_step_a_s` / `prior_step_b_s` are the prior of step_time(x) = a + b·x seconds where x is work per
     step (tokens decoded per step = concurrency for generation; tokens per micro-batch for train).
     `tokens_per_seq_step` is x per running sequence per step (1 for decoding; an item's tokens for train).
+    `sync_fixed_s` / `sync_shared_s` are the prior of the synchronisation after a role's last item of an
+    iteration (train: gradient reduction, optimizer step, publish), sync(m) = fixed + shared / m seconds
+    with m replicas: a sharded optimizer steps and writes 1/m of the model per rank. 0 / 0 (the default)
+    means unknown; the first measured iteration replaces it (`pivotrl.core.iteration.stages`).
     """
 
     devices_per_replica: int = 1
@@ -136,6 +140,8 @@ class RoleSpec:
     prior_step_b_s: float = 0.0002
     tokens_per_seq_step: float = 1.0
     prefill_tokens_per_s: float = 20000.0
+    sync_fixed_s: float = 0.0
+    sync_shared_s: float = 0.0
 
 
 @dataclass(frozen=True)

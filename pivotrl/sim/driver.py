@@ -11,7 +11,7 @@ from __future__ import annotations
 from pivotrl.core import Controller, ControllerConfig, IterationPlan, Role, RoleSpec, make_policy
 from pivotrl.core.iteration import TAIL_FRACTIONS
 from pivotrl.sim.config import SimConfig
-from pivotrl.sim.costs import shift_time
+from pivotrl.sim.costs import barrier_time, shift_time
 from pivotrl.sim.workload import length_profile, mean_length
 
 
@@ -27,6 +27,11 @@ def controller_config(cfg: SimConfig) -> ControllerConfig:
     c, e = cfg.cost, expected(cfg)
     roll_ctx = e["prompt"] + 0.5 * e["response"]
     rew_ctx = e["judge_prompt"] + 0.5 * e["critique"]
+    # The barrier as core's prior knows it, fixed + shared / m: what a runtime knows from its model size and
+    # optimizer layout. Exact for the sharded and the driver-owned barrier from m = 2 on (`barrier_time`).
+    b2, b4 = barrier_time(cfg, 2), barrier_time(cfg, 4)
+    shared = max(0.0, 4.0 * (b2 - b4))
+    fixed = max(0.0, b2 - shared / 2.0)
     roles = {
         Role.ROLLOUT: RoleSpec(
             devices_per_replica=c.rollout.devices_per_replica, max_seqs=c.rollout.max_batch,
@@ -43,7 +48,8 @@ def controller_config(cfg: SimConfig) -> ControllerConfig:
             kv_tokens=1 << 40, prior_step_a_s=1e-3,
             prior_step_b_s=1.0 / (c.train.tokens_per_s_per_device * c.train.devices_per_replica),
             tokens_per_seq_step=e["train_item"],
-            prefill_tokens_per_s=c.train.tokens_per_s_per_device * c.train.devices_per_replica),
+            prefill_tokens_per_s=c.train.tokens_per_s_per_device * c.train.devices_per_replica,
+            sync_fixed_s=fixed, sync_shared_s=shared),
     }
     shift_prior = sum(shift_time(c, r).total for r in ("rollout", "reward", "train")) / 3.0
     s = cfg.scheduler

@@ -11,13 +11,16 @@ from hypothesis import strategies as st
 
 from pivotrl.core import Controller, IterationPlan, Role, RoleSpec
 from pivotrl.core.iteration import (
+    GROUP_FRACTIONS,
     TAIL_FRACTIONS,
     IterationMeter,
     IterationProfile,
     RoleProfile,
     Stage,
+    SyncSample,
     best_static,
     choose,
+    learned_sync,
     stages,
     static_makespans,
     tail_lengths,
@@ -34,10 +37,12 @@ FEW = settings(max_examples=200, derandomize=True, deadline=None)
 
 def stage_strategy(role: Role) -> st.SearchStrategy[Stage]:
     decode = role is not Role.TRAIN
+    sync = st.floats(0, 5) if role is Role.TRAIN else st.just(0.0)
     return st.builds(
         Stage, st.just(role), st.integers(1, 3), st.floats(1, 5000), st.floats(1, 3000), st.floats(1, 20000),
         st.floats(1e-4, 0.05), st.floats(1e-7, 1e-3), st.just(1.0) if decode else st.floats(50, 3000),
-        st.floats(1, 256), st.floats(0, 30), st.just(decode))
+        st.floats(1, 256), st.floats(0, 30), st.just(decode), group=st.sampled_from([1, 2, 8, 64]),
+        sync_fixed_s=sync, sync_shared_s=sync)
 
 
 stages_strategy = st.fixed_dictionaries({r: stage_strategy(r) for r in PIPELINE})
@@ -248,3 +253,81 @@ def test_a_later_iteration_starts_on_the_static_split_when_the_first_stage_is_sh
     moved = {r: sum(len(s.devices) for s in dec.shifts if s.to_role is r) for r in PIPELINE}
     for r in PIPELINE[:2]:
         assert moved[r] == choice.static_split[r]   # exactly the split's share, no more
+
+
+@FEW
+@given(stg=stages_strategy, m=st.integers(1, 40), start=st.floats(0, 100), length=st.floats(1, 30_000))
+def test_an_item_runs_between_the_empty_and_the_full_batchs_step(
+        stg: dict[Role, Stage], m: int, start: float, length: float) -> None:
+    """`run_s`: an item's `length` steps take at least `length` empty-batch steps (a) and at most
+    `length` full-batch steps (the old, pessimistic price of a tail)."""
+    s = stg[Role.REWARD]
+    per, conc, step = s._batch(np.asarray(float(m)))
+    drain, _ = s.timing(np.asarray(float(m)))
+    got = float(s.run_s(np.asarray(start), length, drain, per, conc))
+    assert s.a * length * (1 - 1e-12) <= got <= float(step) * length * (1 + 1e-9)
+
+
+def test_a_long_item_alone_runs_at_the_small_batchs_step() -> None:
+    """With step = a + b·x, an item that outlives the rest of its batch costs a·L + b·(the tokens its
+    replica still decodes): here one 10,000-token item among 100 short ones, started after the drain."""
+    s = Stage(Role.REWARD, 1, 100.0, 100.0, 10_000.0, 0.01, 1e-4, 1.0, 64.0, 0.0, True)
+    per, conc, _ = s._batch(np.asarray(1.0))
+    drain, _ = s.timing(np.asarray(1.0))
+    got = float(s.run_s(drain, 10_000.0, drain, per, conc))
+    assert abs(got - (0.01 * 10_000 + 1e-4 * 10_000)) < 1e-9   # alone: one token per step
+    assert got < 10_000 * float(s.step(conc))
+
+
+@FEW
+@given(fixed=st.floats(0, 10), shared=st.floats(0, 50), seconds=st.floats(0, 100), m=st.integers(1, 512))
+def test_the_learned_sync_passes_through_its_sample(
+        fixed: float, shared: float, seconds: float, m: int) -> None:
+    f, sh = learned_sync(fixed, shared, SyncSample(seconds, m))
+    assert f >= 0 and sh >= 0
+    assert abs(f + sh / m - seconds) <= 1e-9 * max(1.0, seconds)
+    if fixed + shared / m > 1e-12:   # the prior's shape is kept: only its scale is learned
+        assert abs(f * shared - sh * fixed) <= 1e-9 * max(1.0, f * shared, sh * fixed)
+
+
+def test_the_meter_measures_the_sync_after_the_last_train_item() -> None:
+    meter = IterationMeter()
+    meter.begin(0, 0.0)
+    meter.observe(Role.TRAIN, 100.0, now=5.0, replicas=3)
+    meter.observe(Role.TRAIN, 100.0, now=7.5, replicas=4)
+    prof = meter.profile(9.0, "dynamic", 8.0, ShiftCostModel())
+    assert prof is not None and prof.sync == SyncSample(1.5, 4)
+    meter.begin(1, 9.0)   # an iteration without a train item measures no sync
+    meter.observe(Role.ROLLOUT, 10.0, now=10.0, replicas=1)
+    later = meter.profile(12.0, "dynamic", 3.0, ShiftCostModel())
+    assert later is not None and later.sync is None
+
+
+def test_a_sharded_sync_favours_more_train_replicas() -> None:
+    """sync(m) = fixed + shared / m is in every static prediction: with a large shared part (a sharded
+    optimizer step) the predicted makespan falls by exactly the sync saved."""
+    base = Stage(Role.TRAIN, 1, 100.0, 500.0, 500.0, 1e-3, 1e-4, 500.0, 16.0, 0.0, False)
+    synced = dataclasses.replace(base, sync_fixed_s=0.5, sync_shared_s=8.0)
+    gen = {r: Stage(r, 1, 100.0, 100.0, 400.0, 0.01, 1e-4, 1.0, 64.0, 0.0, True) for r in PIPELINE[:2]}
+    for m in (1.0, 2.0, 8.0):
+        reps = {Role.ROLLOUT: np.asarray(2.0), Role.REWARD: np.asarray(2.0), Role.TRAIN: np.asarray(m)}
+        plain = float(static_makespans({**gen, Role.TRAIN: base}, reps))
+        with_sync = float(static_makespans({**gen, Role.TRAIN: synced}, reps))
+        assert abs(with_sync - plain - (0.5 + 8.0 / m)) < 1e-9
+
+
+def test_train_waits_for_whole_groups() -> None:
+    """With 64 items per group, 90 % of the groups are incomplete until ~96.5 % of the judgements are
+    done: train still has 90 % of its drain ahead of it then (a group-blind model lets it overlap)."""
+    assert GROUP_FRACTIONS[0] >= 0.9
+    gen = {r: Stage(r, 1, 1024.0, 200.0, 800.0, 0.01, 2e-5, 1.0, 256.0, 0.0, True) for r in PIPELINE[:2]}
+    train = Stage(Role.TRAIN, 1, 1024.0, 600.0, 600.0, 1e-3, 1e-4, 600.0, 16.0, 0.0, False, group=64)
+    reps = {Role.ROLLOUT: np.asarray(4.0), Role.REWARD: np.asarray(4.0), Role.TRAIN: np.asarray(2.0)}
+    stg = {**gen, Role.TRAIN: train}
+    ro, rw = gen[Role.ROLLOUT], gen[Role.REWARD]
+    fs, _ = ro.points()
+    up = {float(f): ro.emitted(reps[Role.ROLLOUT], float(f)) for f in fs}
+    fi = 1.0 - (1.0 - 0.9) ** (1.0 / 64)
+    drain, _ = train.timing(reps[Role.TRAIN])
+    behind = float(rw.after(up, reps[Role.REWARD], fi) + 0.9 * drain)
+    assert float(static_makespans(stg, reps)) >= behind - 1e-9
