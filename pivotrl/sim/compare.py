@@ -27,14 +27,18 @@ def simulate(cfg: SimConfig, mode: str, split: dict[str, int] | None = None,
     return Simulator(cfg, mode, split, iterations=iterations, record=record).run()
 
 
-def all_splits(cfg: SimConfig) -> list[dict[str, int]]:
-    """Every split of all devices into whole replicas, at least one replica per role."""
+def all_splits(cfg: SimConfig, idle_ok: bool = False) -> list[dict[str, int]]:
+    """Every split of all devices into whole replicas, at least one replica per role. With `idle_ok`,
+    train takes the whole replicas of what is left and fewer than its replica size of devices stay idle
+    (for clusters no exact split fits: 697 devices in 2-device replicas)."""
     n = cfg.cluster.devices
     g = {r: getattr(cfg.cost, r).devices_per_replica for r in ROLES}
     out = []
     for a in range(g["rollout"], n + 1, g["rollout"]):
         for b in range(g["reward"], n - a + 1, g["reward"]):
             c = n - a - b
+            if idle_ok:
+                c -= c % g["train"]
             if c >= g["train"] and c % g["train"] == 0:
                 out.append({"rollout": a, "reward": b, "train": c})
     return out
@@ -119,7 +123,7 @@ def best_static(cfg: SimConfig, log: Any = None) -> tuple[SimResult, dict[str, A
         row = {"split": split, "tokens_per_s_per_device": final.tokens_per_s_per_device}
         return final, {"method": "given (static_split)", "splits_total": 1, "splits_simulated": 1,
                        "ranking": [row]}
-    splits = all_splits(cfg)
+    splits = all_splits(cfg) or all_splits(cfg, idle_ok=True)
     if not splits:
         return best_grouping(cfg, log)
     iters = cfg.search.iterations
