@@ -126,7 +126,10 @@ def simulated(sim_cfg: Any, mode: str, split: dict[str, int] | None, tokens_per_
     ends = [it["start_s"] + it["total_s"] for it in r.iterations]
     secs = [b - a for a, b in itertools.pairwise(ends)]
     s = statistics.median(secs)
+    # busy device-seconds per role per iteration, the real runs' `device_s_per_iteration` counterpart
+    busy = {role: r.busy_device_s.get(role, 0.0) / max(len(r.iterations), 1) for role in ROLES}
     return {"iteration_s": s, "iteration_s_each": secs, "finished": r.finished,
+            "device_s_per_iteration": busy,
             "tokens_per_s_per_device": tokens_per_iteration / s / sim_cfg.cluster.devices}
 
 
@@ -155,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
         tps = measured(runs[name])["tokens_per_s_per_device"]
         print(f"real {name:<32} {tps:8.1f} tok/s/device", flush=True)
     prof = profile(cfg, runs)
-    out: dict[str, Any] = {"profile": {k: v for k, v in prof["cost"].items()}, "paradigms": {}}
+    out: dict[str, Any] = {"profile": {k: v for k, v in prof["cost"].items()}, "sim_config": prof,
+                           "paradigms": {}}
     for name, _mode, groups, k in configs:
         real = measured(runs[name])
         data = json.loads(json.dumps(prof))

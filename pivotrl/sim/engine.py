@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pivotrl.core import Decision, Role, Sequence, ShiftTimings
@@ -74,6 +74,7 @@ class SimResult:
     utilization: dict[str, float]
     finished: bool
     decisions: int = 0
+    busy_device_s: dict[str, float] = field(default_factory=dict)  # per role: replicas at work, in all
 
     @property
     def tokens_per_s_per_device(self) -> float:
@@ -131,6 +132,7 @@ class Simulator:
         self.train_tokens_done = 0.0
         self.tokens_expected = {"rollout": 0.0, "reward": 0.0, "train": 0.0}
         self.decoded = {"rollout": 0.0, "reward": 0.0}
+        self.busy = dict.fromkeys(ROLES, 0.0)  # device-seconds of replicas at work (steps, prefill, batches)
 
     # ---- event plumbing -------------------------------------------------------------------------
     def _push(self, t: float, kind: str, key: Any, version: int = 0) -> None:
@@ -302,6 +304,7 @@ class Simulator:
                 self.decoded[rep.role] += rep.tokens
                 if rep.running:
                     raise RuntimeError(f"core dissolved {rid} with {len(rep.running)} sequence(s) running")
+            self.busy[rep.role] += rep.busy_time * len(rep.devices)
         for sh in dec.shifts:
             role = str(sh.to_role)
             warm_start = self.now == 0.0 and all(m.from_role is None for m in sh.moves)
@@ -421,6 +424,7 @@ class Simulator:
         for rep in self.reps.values():
             if isinstance(rep, GenReplica):
                 self.decoded[rep.role] += rep.tokens
+            self.busy[rep.role] += rep.busy_time * len(rep.devices)
         tokens = 0.0
         for it in range(len(self.iter_stats)):
             specs = iteration_sequences(self.cfg.workload, it, self.cfg.seed)
@@ -449,4 +453,4 @@ class Simulator:
                     for r in ("rollout", "reward")))
         return SimResult(self.mode, self.split, self.N, self.now, tokens,
                          [s.as_dict() for s in self.iter_stats], cons, self.shift_log, self.segments, util,
-                         self.done, len(self.ctl.log))
+                         self.done, len(self.ctl.log), dict(self.busy))
