@@ -95,6 +95,7 @@ class Controller:
             last = self.resumed_profile
         self.resumed_profile = None
         self.state.plan = plan
+        self.state.iteration_started_at = now
         for r in self.state.roles:
             self.state.submitted[r] = 0
             self.state.finished[r] = 0

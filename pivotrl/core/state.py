@@ -42,6 +42,7 @@ class ClusterState:
         # Aggregates per role over live (waiting + running) sequences.
         self.n_seqs: dict[Role, int] = dict.fromkeys(self.roles, 0)
         self.remaining: dict[Role, float] = dict.fromkeys(self.roles, 0.0)
+        self.iteration_started_at = 0.0  # when the current iteration's plan arrived (`begin_iteration`)
         self.kv_sum: dict[Role, int] = dict.fromkeys(self.roles, 0)
         # Dispatch found no room for the queue head; cleared by anything that could change that.
         self.blocked: dict[Role, bool] = dict.fromkeys(self.roles, False)

@@ -36,6 +36,7 @@ class RoleView:
     horizon: float
     donated: int = 0       # replicas this role gave up in shifts within the last cooldown_s
     done: bool = False     # no live work and none can still reach it this iteration (idle until the next)
+    longest_left: float = 0.0  # tokens the iteration's longest item may still need (`_longest_left`)
 
     def throughput(self, m: float) -> float:
         """Tokens/s of `m` replicas holding this role's sequences, spread evenly (role-shared fit)."""
@@ -107,9 +108,31 @@ def role_views(state: ClusterState, horizon: float, now: float = 0.0) -> dict[Ro
                           k=model.tokens_per_seq_step, cap=cap,
                           weight=spec.devices_per_replica / peak if peak > 0 else 0.0, horizon=horizon,
                           donated=state.donated_since(role, now - cfg.cooldown_s))
+    _longest_left(state, base, now)
     _add_upstream(state, base, horizon)
     _mark_done(state, base)
     return {r: RoleView(**v) for r, v in base.items()}
+
+
+def _longest_left(state: ClusterState, base: dict[Role, dict], now: float) -> None:
+    """For each generating role with live work: the tokens its longest item of the iteration may still
+    need — the plan's expected longest (4 × the mean without one) less the most any item can have decoded
+    since the iteration began (one token per step of at least `a` seconds). On-policy the iteration ends
+    with that item, so `critical_delay` prices it; the live items' mean left (854 tokens on a drawn
+    workload whose longest rollouts ran ~8,000) let the planner slow a rollout still on the critical path."""
+    plan = state.plan
+    if plan is None:
+        return
+    longest = {
+        Role.ROLLOUT: plan.rollout_tokens_longest or 4.0 * plan.rollout_tokens_per_seq,
+        Role.REWARD: plan.reward_tokens_longest or 4.0 * plan.reward_tokens_per_rollout,
+    }
+    for role, most in longest.items():
+        b = base.get(role)
+        if b is None or b["seqs"] <= 0 or b["a"] <= 0:
+            continue
+        decoded_at_most = max(now - state.iteration_started_at, 0.0) / b["a"]
+        b["longest_left"] = max(most - decoded_at_most, 0.0)
 
 
 def _mark_done(state: ClusterState, base: dict[Role, dict]) -> None:
@@ -268,17 +291,18 @@ def critical_delay(views: dict[Role, RoleView], role: Role, to_role: Role, ks: n
     `role`'s longest live items (issue #14: an on-policy iteration ends when its longest sequence does).
 
     With fewer replicas each keeps more items, so every decode step — and so every token of the longest
-    item — takes longer: its remaining time is L × step(m − k), L the mean remaining tokens of the live
-    items (the longest has at least that many). It delays the iteration only where it outlasts both the
-    current allocation's and the receiver's own drain (downstream is busy until then anyway). Only an
-    upstream role with live work delays what follows it; 0 for every other donor. Multiply by the
-    cluster's devices for device-seconds: on-policy the whole cluster waits at the barrier."""
+    item — takes longer: its remaining time is L × step(m − k), L the longest item's tokens left
+    (`RoleView.longest_left`, at least the live items' mean left). It delays the iteration only where it
+    outlasts both the current allocation's and the receiver's own drain (downstream is busy until then
+    anyway). Only an upstream role with live work delays what follows it; 0 for every other donor.
+    Multiply by the cluster's devices for device-seconds: on-policy the whole cluster waits at the
+    barrier."""
     v = views[role]
     upstream = role in PIPELINE and to_role in PIPELINE and PIPELINE.index(role) < PIPELINE.index(to_role)
     items = v.seqs + v.arriving_seqs
     if not upstream or items <= 0 or v.k != 1.0:
         return np.zeros(ks.shape)
-    left = (v.work + v.arriving_work) / items
+    left = max((v.work + v.arriving_work) / items, v.longest_left)
     ms = np.maximum(v.replicas - ks, 0)
     t_now = left * float(v.step_many(np.asarray([v.replicas]))[0])
     t_after = np.where(ms > 0, left * v.step_many(ms), math.inf)

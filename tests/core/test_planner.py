@@ -130,7 +130,7 @@ _BF_CACHE: dict = {}
 def _brute_force(stt: ClusterState, costs: ShiftCostModel, now: float, u: Role) -> tuple[float | None,
                                                                                        float | None]:
     cfg = stt.config
-    views = role_views(stt, cfg.horizon_s)
+    views = role_views(stt, cfg.horizon_s, now)
     donors: list[tuple[Role | None, int, float]] = [(None, 1, 0.0) for _ in stt.free_devices()]
     for d in stt.roles:
         if d is u:
@@ -419,3 +419,36 @@ def test_no_shift_outlasts_the_horizon_unless_the_receiver_is_starving(seed: int
         return
     for d in res.donors:
         assert costs.duration(d.role, res.to_role) <= stt.config.horizon_s
+
+
+def _tail_state(longest: float, now: float) -> tuple[ClusterState, dict]:
+    """4 rollout replicas with 64 live rollouts expected ~50 tokens more each; the plan says the
+    iteration's longest rollout runs `longest` tokens, and the iteration began at t = 0."""
+    roles = {r: RoleSpec(max_seqs=64, kv_tokens=10**6) for r in Role}
+    stt = active_state(config(horizon_s=20.0, roles=roles), {Role.ROLLOUT: 4, Role.REWARD: 1, Role.TRAIN: 1})
+    for i in range(64):
+        stt.admit(seq(f"r{i}", Role.ROLLOUT, prompt=10, max_new=3000, expected_new_tokens=50), 0.0)
+    dispatch_all(stt)
+    stt.plan = IterationPlan(0, rollout_seqs=64, group_size=4, rollout_tokens_per_seq=50,
+                             reward_tokens_per_rollout=20, train_tokens_per_group=400,
+                             rollout_tokens_longest=longest)
+    stt.iteration_started_at = 0.0
+    return stt, role_views(stt, 20.0, now)
+
+
+def test_the_critical_delay_prices_the_iterations_longest_item() -> None:
+    """Taking a rollout replica slows every step, and so the longest rollout's remaining tokens: those are
+    the plan's longest less what any item could have decoded since the iteration began, not the live
+    items' mean left (50 here)."""
+    ks = np.asarray([1])
+    _, views = _tail_state(5000.0, now=0.5)
+    v = views[Role.ROLLOUT]
+    assert v.longest_left == pytest.approx(5000.0 - 0.5 / v.a)
+    long_delay = float(critical_delay(views, Role.ROLLOUT, Role.TRAIN, ks)[0])
+    _, short_views = _tail_state(60.0, now=0.5)   # the longest is about the mean: only the mean counts
+    short_delay = float(critical_delay(short_views, Role.ROLLOUT, Role.TRAIN, ks)[0])
+    assert long_delay > 10 * max(short_delay, 1e-9)
+    _, late = _tail_state(5000.0, now=1e6)   # long past: any item could have decoded the longest
+    assert late[Role.ROLLOUT].longest_left == 0.0
+    late_delay = float(critical_delay(late, Role.ROLLOUT, Role.TRAIN, ks)[0])
+    assert late_delay == pytest.approx(short_delay, abs=1e-9)
