@@ -421,7 +421,7 @@ def test_no_shift_outlasts_the_horizon_unless_the_receiver_is_starving(seed: int
         assert costs.duration(d.role, res.to_role) <= stt.config.horizon_s
 
 
-def _tail_state(longest: float, now: float) -> tuple[ClusterState, dict]:
+def _long_rollout_state(longest: float, now: float) -> tuple[ClusterState, dict]:
     """4 rollout replicas with 64 live rollouts expected ~50 tokens more each; the plan says the
     iteration's longest rollout runs `longest` tokens, and the iteration began at t = 0."""
     roles = {r: RoleSpec(max_seqs=64, kv_tokens=10**6) for r in Role}
@@ -441,14 +441,14 @@ def test_the_critical_delay_prices_the_iterations_longest_item() -> None:
     the plan's longest less what any item could have decoded since the iteration began, not the live
     items' mean left (50 here)."""
     ks = np.asarray([1])
-    _, views = _tail_state(5000.0, now=0.5)
+    _, views = _long_rollout_state(5000.0, now=0.5)
     v = views[Role.ROLLOUT]
     assert v.longest_left == pytest.approx(5000.0 - 0.5 / v.a)
     long_delay = float(critical_delay(views, Role.ROLLOUT, Role.TRAIN, ks)[0])
-    _, short_views = _tail_state(60.0, now=0.5)   # the longest is about the mean: only the mean counts
+    _, short_views = _long_rollout_state(60.0, now=0.5)   # the longest about the mean: the mean counts
     short_delay = float(critical_delay(short_views, Role.ROLLOUT, Role.TRAIN, ks)[0])
     assert long_delay > 10 * max(short_delay, 1e-9)
-    _, late = _tail_state(5000.0, now=1e6)   # long past: any item could have decoded the longest
+    _, late = _long_rollout_state(5000.0, now=1e6)   # long past: any item could have decoded the longest
     assert late[Role.ROLLOUT].longest_left == 0.0
     late_delay = float(critical_delay(late, Role.ROLLOUT, Role.TRAIN, ks)[0])
     assert late_delay == pytest.approx(short_delay, abs=1e-9)
