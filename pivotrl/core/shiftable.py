@@ -93,7 +93,7 @@ class Shiftable(Policy):
             # the start (see docs/decisions.md#the-first-placement-follows-the-cooldown). Otherwise they
             # start on that split too, except the share of a downstream role whose first item comes later
             # than it could be moved back (`opening_split`), and the planner shifts from there
-            # (docs/decisions.md#a-device-starts-where-it-has-work-before-it-could-move).
+            # (docs/decisions.md#third-pass-the-models-misses-on-the-losing-draws-and-where-a-device-starts).
             if short:
                 return self._fill_split(state, choice.static_split, "initial:static")
             return self._fill_split(state, opening_split(state, choice), "initial:opening")
