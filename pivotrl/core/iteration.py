@@ -243,13 +243,23 @@ class Stage:
         """When all but a fraction `f` of the items have ended (the f·n last to end are still running): the
         drain's share of them, or, for each point (fp, length) with fp ≥ f, the (f·n)-th latest start
         among the fp·n items at least `length` long (q·(1 − f·n / (fp·n + 1)), starts uniform over the
-        queued part q) plus that length at the full batch's step time. f = 1/n gives `timing`'s end."""
+        queued part q) plus its run (`run_s`). f = 1/n gives `timing`'s end."""
         drain, _ = self.timing(m)
+        per, conc, _ = self._batch(m)
+        return self._emitted(f, drain, per, conc)
+
+    def emissions(self, m: np.ndarray) -> dict[float, np.ndarray]:
+        """`emitted` at each of the stage's length points: the upstream curve `after` takes."""
+        drain, _ = self.timing(m)
+        per, conc, _ = self._batch(m)
+        fs, _ = self.points()
+        return {float(f): self._emitted(float(f), drain, per, conc) for f in fs}
+
+    def _emitted(self, f: float, drain: np.ndarray, per: np.ndarray, conc: np.ndarray) -> np.ndarray:
         if f * max(self.seqs, 1.0) <= 1.0 + 1e-9:
             f = 0.0  # the last item: the whole drain
         if not self.decode:
             return drain * (1.0 - f)
-        per, conc, _ = self._batch(m)
         q = np.maximum(0.0, 1.0 - conc / per) * drain
         n = max(self.seqs, 1.0)
         out = drain * (1.0 - f)
@@ -264,11 +274,11 @@ class Stage:
     def after(self, up_emitted: dict[float, np.ndarray], m: np.ndarray, f: float) -> np.ndarray:
         """When all but a fraction `f` of this stage's items have ended, its items arriving as the upstream
         stage ends them (`up_emitted`: upstream fraction fa -> when all but fa of them have ended): of the
-        fa·n last to arrive, a fraction f/fa is at least `length_at(f/fa)` long and runs at this stage's
-        step time after its prefill. Never before its own emission with every item available."""
-        own = self.emitted(m, f)
-        per, conc, _ = self._batch(m)
+        fa·n last to arrive, a fraction f/fa is at least `length_at(f/fa)` long and runs (`run_s`) after
+        its prefill. Never before its own emission with every item available."""
         drain, _ = self.timing(m)
+        per, conc, _ = self._batch(m)
+        own = self._emitted(f, drain, per, conc)
         for fa, t in up_emitted.items():
             if fa >= f:
                 length = self.length_at(np.asarray(f / fa))
@@ -387,8 +397,7 @@ def static_makespans(st: dict[Role, Stage], reps: dict[Role, np.ndarray]) -> np.
     ro, rw, tr = (st[r] for r in PIPELINE)
     m_ro, m_rw, m_tr = (np.asarray(reps[r], dtype=float) for r in PIPELINE)
     n = max(ro.seqs, 1.0)
-    fs, _ = ro.points()
-    up = {float(f): ro.emitted(m_ro, float(f)) for f in fs}
+    up = ro.emissions(m_ro)
     t_rw = np.maximum(rw.after(up, m_rw, 1.0 / n), rw.timing(m_rw)[1])
     drain_tr, e_tr = tr.timing(m_tr)
     end = np.maximum(e_tr, t_rw + tr.last_item_s())
@@ -530,8 +539,7 @@ def first_work(st: dict[Role, Stage], split: dict[Role, int]) -> dict[Role, floa
     ro, rw, tr = (st[r] for r in PIPELINE)
     m = {r: np.asarray(float(max(split[r] // st[r].g, 1))) for r in PIPELINE}
     n = max(ro.seqs, 1.0)
-    fs, _ = ro.points()
-    up = {float(f): ro.emitted(m[Role.ROLLOUT], float(f)) for f in fs}
+    up = ro.emissions(m[Role.ROLLOUT])
     first_rollout = 1.0 - 1.0 / n
     groups = max(n / max(tr.group, 1), 1.0)
     # the first group completes a group lag after the first of its members is judged (`static_makespans`)

@@ -332,8 +332,7 @@ def test_train_waits_for_whole_groups() -> None:
     ro, rw = gen[Role.ROLLOUT], gen[Role.REWARD]
     lags = [float(group_lag(ro, rw, reps[Role.ROLLOUT], reps[Role.REWARD], g)) for g in (1, 4, 64)]
     assert lags[0] == 0.0 and 0.0 < lags[1] < lags[2]
-    fs, _ = ro.points()
-    up = {float(f): ro.emitted(reps[Role.ROLLOUT], float(f)) for f in fs}
+    up = ro.emissions(reps[Role.ROLLOUT])
     drain, _ = train.timing(reps[Role.TRAIN])
     behind = float(rw.after(up, reps[Role.REWARD], 0.9) + lags[2] + 0.9 * drain)
     assert float(static_makespans({**gen, Role.TRAIN: train}, reps)) >= behind - 1e-9
