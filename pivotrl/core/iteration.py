@@ -33,15 +33,21 @@ from pivotrl.core.types import PIPELINE, Role
 #: RL lengths: p99 ≈ 10× median, DESIGN §1). After one iteration the measured longest replaces it.
 PRIOR_LONGEST_OVER_MEAN = 4.0
 
-#: Tail fractions f at which a length profile holds the length exceeded by a fraction f of the items (the
-#: median first). With the longest item they describe where a stage's tail is: the items that end a stage
-#: are the long ones that started late, and those are counted per fraction (`Stage.points`).
-TAIL_FRACTIONS = (0.5, 0.25, 0.1, 0.03, 0.01, 0.003, 0.001, 3e-4, 1e-4, 3e-5, 1e-5)
+#: Fractions f at which a length profile holds the length exceeded by a fraction f of the items. With the
+#: longest item they describe where a stage's tail is: the items that end a stage are the long ones that
+#: started late, and those are counted per fraction (`Stage.points`). The two above the median say when
+#: the short items end: with every item in one batch, nine tenths are still running until the shortest
+#: tenth is decoded, not a tenth of the drain in (`Stage.emitted`).
+TAIL_FRACTIONS = (0.9, 0.75, 0.5, 0.25, 0.1, 0.03, 0.01, 0.003, 0.001, 3e-4, 1e-4, 3e-5, 1e-5)
+MEDIAN = TAIL_FRACTIONS.index(0.5)
 
 #: Fractions of an iteration's groups still incomplete at which the train stage's backlog is checked.
 GROUP_FRACTIONS = (0.99, 0.95, 0.9, 0.75, 0.5, 0.25, 0.1, 0.03, 0.01, 0.003, 0.001)
 
 MODES = ("static", "dynamic", "colocated")
+
+#: Time steps of `Stage.last_end`'s integral (its error is under half a step of the stage's span).
+LAST_END_STEPS = 48
 
 
 @dataclass(frozen=True)
@@ -178,8 +184,9 @@ class Stage:
         """(f, length): a fraction f of the items is at least `length` long, for the tail fractions that
         hold at least one item, down to the longest (f = 1 / seqs)."""
         n = max(self.seqs, 1.0)
-        fs, ls = [0.5], [self.tail[0] if self.tail else self.mean]
-        for f, x in zip(TAIL_FRACTIONS[1:], self.tail[1:]):
+        known = zip(TAIL_FRACTIONS, self.tail) if self.tail else [(0.5, self.mean)]
+        fs, ls = [], []
+        for f, x in known:
             if f * n > 1.0:
                 fs.append(f)
                 ls.append(x)
@@ -236,8 +243,32 @@ class Stage:
         runs alone at the short step of a small batch, where a full batch's step would price its tail
         ~25 % slow)."""
         left = per * self.mean * np.maximum(0.0, 1.0 - start / np.maximum(drain, 1e-12))
+        return self.run_with(left, length, conc)
+
+    def run_with(self, left: np.ndarray, length: float | np.ndarray, conc: np.ndarray) -> np.ndarray:
+        """Seconds an item of `length` tokens takes on a replica with `left` tokens of other work to do
+        meanwhile, in batches of at most `conc` (`run_s`)."""
         work = np.minimum(conc * length, np.maximum(length, left))
         return self.a * length + self.b * self.k * work
+
+    def max_length_within(self, seconds: np.ndarray, left: np.ndarray, conc: np.ndarray) -> np.ndarray:
+        """The longest item `run_with` finishes within `seconds` (its inverse: the run is piecewise linear
+        and increasing in the length)."""
+        a, bk = self.a, self.b * self.k
+        x = np.maximum(seconds, 0.0)
+        batched = x / (a + bk * conc)  # the batch decodes beside it all along
+        outlived = (x - bk * left) / a  # the replica's other work ends before it
+        alone = x / (a + bk)  # longer than all the other work: the rest of it runs alone
+        return np.where(batched * conc <= left, batched, np.where(outlived <= left, outlived, alone))
+
+    def longer_than(self, length: np.ndarray) -> np.ndarray:
+        """The fraction of items longer than `length` (`length_at`'s inverse; linear from 1 at length 0
+        to the first point, 0 from the longest on)."""
+        fs, ls = self.points()
+        x = np.asarray(length, dtype=float)
+        f = np.exp(np.interp(x, ls, np.log(fs)))
+        below = 1.0 - (1.0 - fs[0]) * np.clip(x / max(float(ls[0]), 1e-12), 0.0, 1.0)
+        return np.where(x >= ls[-1], 0.0, np.where(x < ls[0], below, f))
 
     def emitted(self, m: np.ndarray, f: float) -> np.ndarray:
         """When all but a fraction `f` of the items have ended (the f·n last to end are still running): the
@@ -274,16 +305,63 @@ class Stage:
     def after(self, up_emitted: dict[float, np.ndarray], m: np.ndarray, f: float) -> np.ndarray:
         """When all but a fraction `f` of this stage's items have ended, its items arriving as the upstream
         stage ends them (`up_emitted`: upstream fraction fa -> when all but fa of them have ended): of the
-        fa·n last to arrive, a fraction f/fa is at least `length_at(f/fa)` long and runs (`run_s`) after
-        its prefill. Never before its own emission with every item available."""
+        fa·n last to arrive, a fraction f/fa is at least `length_at(f/fa)` long and runs after its
+        prefill, beside the work that arrives with it or later (fa of the replica's, not what the replica
+        would have left had all of it been there from the start), and after the prefills of the items
+        arriving with it (half of them, on average, go first: a burst of arrivals pauses the replica once
+        per prompt). Nor can the fa·n items be done sooner than their share of the drain after their
+        arrival begins. Never before its own emission with every item available."""
         drain, _ = self.timing(m)
         per, conc, _ = self._batch(m)
         own = self._emitted(f, drain, per, conc)
         for fa, t in up_emitted.items():
             if fa >= f:
                 length = self.length_at(np.asarray(f / fa))
-                own = np.maximum(own, t + self.run_s(t, length, drain, per, conc) + self.prefill_s)
+                left = fa * per * self.mean
+                prefill = self.prefill_s * (1.0 + 0.5 * fa * per)
+                own = np.maximum(own, t + self.run_with(left, length, conc) + prefill)
+                own = np.maximum(own, t + (fa - f) * drain)
         return own
+
+    def last_end(self, up_emitted: dict[float, np.ndarray], m: np.ndarray, exact: bool = True) -> np.ndarray:
+        """When this stage's last item ends, its items arriving on the upstream curve in an order that has
+        nothing to do with their own lengths (a judgement's length does not depend on when its rollout
+        ended).
+
+        The stage ends at max_i (arrival_i + run_i). `after` pairs each arrival window with the longest
+        item it is expected to hold, as if that item came first in its window; so it hardly sees how late
+        the upstream stage runs. Here the expected number of items still running at T (each arrival bin's
+        count times the fraction of lengths that would not be done by T) is E(T), the chance that none is
+        exp(−E(T)) (Poisson), and the expected end is the integral of 1 − exp(−E) over T. Never before the
+        longest item itself, arriving at the mean arrival time: that alone with `exact=False` (cheap, and
+        never above the full value)."""
+        n = max(self.seqs, 1.0)
+        per, conc, _ = self._batch(m)
+        fas = sorted(up_emitted, reverse=True)
+        bins: list[tuple[float, np.ndarray, float]] = []  # (items, arrival time, fraction still to come)
+        prev_f, prev_t = 1.0, np.zeros(np.shape(up_emitted[fas[0]]))
+        for fa in fas:
+            t = np.asarray(up_emitted[fa], dtype=float)
+            bins.append(((prev_f - fa) * n, 0.5 * (prev_t + t), prev_f))
+            prev_f, prev_t = fa, t
+        bins.append((prev_f * n, prev_t, prev_f))
+        longest_run = self.run_with(0.5 * per * self.mean, self.longest, conc)
+        arrival = sum(count * t for count, t, _ in bins) / n
+        longest_end = arrival + self.prefill_s * (1.0 + 0.25 * per) + longest_run
+        if not exact:
+            return longest_end
+        hi = prev_t + self.prefill_s * (1.0 + 0.5 * per) + self.run_with(per * self.mean, self.longest, conc)
+        dt = hi / LAST_END_STEPS
+        end = np.zeros(np.shape(hi))
+        for k in range(LAST_END_STEPS):
+            horizon = (k + 0.5) * dt
+            running = np.zeros(np.shape(hi))
+            for count, t, fa in bins:
+                budget = horizon - t - self.prefill_s * (1.0 + 0.5 * fa * per)
+                done_by = self.max_length_within(budget, fa * per * self.mean, conc)
+                running = running + count * np.where(budget > 0.0, self.longer_than(done_by), 1.0)
+            end = end + (1.0 - np.exp(-running)) * dt
+        return np.maximum(end, longest_end)
 
     def last_item_s(self) -> float:
         """An item started alone after its upstream finished (the tail end of the chain)."""
@@ -385,20 +463,29 @@ def learned_sync(fixed: float, shared: float, sample: SyncSample) -> tuple[float
     return fixed * k, shared * k
 
 
-def static_makespans(st: dict[Role, Stage], reps: dict[Role, np.ndarray]) -> np.ndarray:
+def static_makespans(
+    st: dict[Role, Stage], reps: dict[Role, np.ndarray], last_end: bool = True
+) -> np.ndarray:
     """Predicted makespan of a streaming static split (replicas per role, arrays of equal shape).
 
     The first stage ends its items by `Stage.emitted`; the second ends each of its tail fractions after the
-    matching part of the first (`Stage.after`). Train items arrive by groups: a group is complete when its
-    slowest member is judged, `group_lag` after its typical member (its members are submitted together),
-    so a fraction fg of groups is still incomplete a lag after fg of the judgements are, and train then
-    still has fg of its work to drain. Train ends with the latest of those, its own drain, and one step
-    after the last judgement; then it syncs (`Stage.sync`)."""
+    matching part of the first (`Stage.after`), and its last item no sooner than `Stage.last_end` says.
+    Train items arrive by groups: a group is complete when its slowest member is judged. Two views of when
+    a fraction fg of the groups is still incomplete, the later one counts: members submitted together end
+    together, `group_lag` after their typical member, i.e. a lag after fg of the judgements remain; or
+    members end independently, and a group is complete once all G are, i.e. when only 1 − (1 − fg)^(1/G)
+    of the judgements remain (with long-tailed judgements nearly every large group waits for one of the
+    last). Train then still has fg of its work to drain. Train ends with the latest of those, its own
+    drain, and one step after the last judgement; then it syncs (`Stage.sync`).
+
+    `last_end=False` takes only the cheap part of `Stage.last_end`: never above the full prediction, so
+    it bounds a search from below (`best_static`)."""
     ro, rw, tr = (st[r] for r in PIPELINE)
     m_ro, m_rw, m_tr = (np.asarray(reps[r], dtype=float) for r in PIPELINE)
     n = max(ro.seqs, 1.0)
     up = ro.emissions(m_ro)
     t_rw = np.maximum(rw.after(up, m_rw, 1.0 / n), rw.timing(m_rw)[1])
+    t_rw = np.maximum(t_rw, rw.last_end(up, m_rw, exact=last_end))
     drain_tr, e_tr = tr.timing(m_tr)
     end = np.maximum(e_tr, t_rw + tr.last_item_s())
     g = max(tr.group, 1)
@@ -407,7 +494,9 @@ def static_makespans(st: dict[Role, Stage], reps: dict[Role, np.ndarray]) -> np.
     for fg in GROUP_FRACTIONS:
         if fg * groups < 1.0:
             break
-        end = np.maximum(end, rw.after(up, m_rw, fg) + lag + fg * drain_tr)
+        independent = max(1.0 - (1.0 - fg) ** (1.0 / g), 1.0 / n)
+        complete = np.maximum(rw.after(up, m_rw, fg) + lag, rw.after(up, m_rw, independent))
+        end = np.maximum(end, complete + fg * drain_tr)
     return end + tr.sync(m_tr)
 
 
@@ -431,7 +520,11 @@ def group_lag(ro: Stage, rw: Stage, m_ro: np.ndarray, m_rw: np.ndarray, g: int) 
 
 def best_static(st: dict[Role, Stage], n_devices: int) -> tuple[dict[Role, int], float] | None:
     """The split (devices per role) with the lowest predicted makespan, exhaustive over every split into
-    whole replicas (numpy over the (rollout, reward) grid; train takes what is left). None if none fits."""
+    whole replicas (numpy over the (rollout, reward) grid; train takes what is left). None if none fits.
+
+    Exact but cheap: every split is priced without `Stage.last_end`'s integral (a lower bound), then the full
+    prediction is computed for the splits in order of that bound, a batch at a time, until the best full
+    prediction is no worse than the next bound."""
     ro, rw, tr = (st[r] for r in PIPELINE)
     a = np.arange(1, n_devices // ro.g + 1)
     b = np.arange(1, n_devices // rw.g + 1)
@@ -441,11 +534,26 @@ def best_static(st: dict[Role, Stage], n_devices: int) -> tuple[dict[Role, int],
     ok = cc >= 1
     if not ok.any():
         return None
-    aa, bb, cc = aa[ok], bb[ok], cc[ok]
-    t = static_makespans(st, {Role.ROLLOUT: aa, Role.REWARD: bb, Role.TRAIN: cc})
-    i = int(np.argmin(t))
-    split = {Role.ROLLOUT: int(aa[i]) * ro.g, Role.REWARD: int(bb[i]) * rw.g, Role.TRAIN: int(cc[i]) * tr.g}
-    return split, float(t[i])
+    reps = {Role.ROLLOUT: aa[ok], Role.REWARD: bb[ok], Role.TRAIN: cc[ok]}
+    i, t = ranked(st, reps, 1)[0]
+    split = {r: int(reps[r][i]) * st[r].g for r in PIPELINE}
+    return split, t
+
+
+def ranked(st: dict[Role, Stage], reps: dict[Role, np.ndarray], k: int,
+           batch: int = 512) -> list[tuple[int, float]]:
+    """The `k` splits of `reps` (replicas per role, 1-d arrays) with the lowest full `static_makespans`,
+    best first, as (index, prediction): the bound-ordered search `best_static` describes."""
+    bound = static_makespans(st, reps, last_end=False)
+    order = np.argsort(bound, kind="stable")
+    found: list[tuple[float, int]] = []
+    for lo in range(0, order.size, batch):
+        idx = order[lo : lo + batch]
+        if len(found) >= k and found[k - 1][0] <= bound[idx[0]]:
+            break
+        full = static_makespans(st, {r: v[idx] for r, v in reps.items()})
+        found = sorted(found + [(float(x), int(j)) for x, j in zip(full, idx)])[:k]
+    return [(j, x) for x, j in found]
 
 
 def colocated_makespan(st: dict[Role, Stage], n_devices: int) -> float:

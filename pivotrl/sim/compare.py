@@ -81,14 +81,14 @@ def all_groupings(cfg: SimConfig) -> list[dict[str, int]]:
     return out
 
 
-def model_ranked(cfg: SimConfig, splits: list[dict[str, int]]) -> list[dict[str, int]]:
-    """Splits from best to worst by core's own iteration model (`pivotrl.core.iteration`), fed with the
+def model_ranked(cfg: SimConfig, splits: list[dict[str, int]], k: int) -> list[dict[str, int]]:
+    """The `k` best splits, best first, by core's own iteration model (`pivotrl.core.iteration`), fed with the
     workload's true lengths of iteration 0 (the baseline may know everything core would measure) and the
     profile's step-time lines: a much closer ranking than the bottleneck estimate, since it prices each
     stage's longest item and the pipeline's fill and drain."""
     import numpy as np
 
-    from pivotrl.core.iteration import IterationProfile, RoleProfile, stages, static_makespans, tail_lengths
+    from pivotrl.core.iteration import IterationProfile, RoleProfile, ranked, stages, tail_lengths
     from pivotrl.core.types import Role
     from pivotrl.sim.driver import build_controller, iteration_plan
     from pivotrl.sim.workload import iteration_sequences
@@ -106,10 +106,9 @@ def model_ranked(cfg: SimConfig, splits: list[dict[str, int]]) -> list[dict[str,
     prof = IterationProfile(0, 0.0, "static", 0.0, roles)
     st = stages(ctl.state, ctl.shift_costs, prof)
     if st is None:
-        return list(splits)
+        return list(splits[:k])
     reps = {r: np.asarray([s[str(r)] // st[r].g for s in splits], dtype=float) for r in st}
-    t = static_makespans(st, reps)
-    return [splits[i] for i in np.argsort(t, kind="stable")]
+    return [splits[i] for i, _ in ranked(st, reps, k)]
 
 
 def _key(split: dict[str, int]) -> tuple[int, int, int]:
@@ -143,8 +142,7 @@ def best_static(cfg: SimConfig, log: Any = None) -> tuple[SimResult, dict[str, A
             run(s)
     else:
         method = f"model top-{cfg.search.top_k} + hill-climb (at most {cfg.search.max_simulations} simulated)"
-        ranked = model_ranked(cfg, splits)
-        for s in ranked[: cfg.search.top_k]:
+        for s in model_ranked(cfg, splits, cfg.search.top_k):
             run(s)
         valid = {_key(s) for s in splits}
         g = {r: getattr(cfg.cost, r).devices_per_replica for r in ROLES}
