@@ -623,8 +623,15 @@ def choose(
     split, t_static = found
     placed = {r: sum(len(x.devices) for x in state.by_role[r].values()) for r in PIPELINE}
     if sum(placed.values()):
-        moved = sum(max(split[r] - placed[r], 0) for r in PIPELINE)
-        t_static += moved * max(s.shift_s for s in st.values()) / n
+        t_static = moved_makespan(st, split, placed, t_static)
+        if all(placed[r] >= st[r].g for r in PIPELINE):
+            # "stay as you are" is a static split too, and it costs no shift: held unless the predicted
+            # split beats it with its moves paid (a cold move into the first stage at an iteration start
+            # made its replicas arrive after most of that stage was done: 0.96 of the held split, seed 37)
+            held = {r: np.asarray([float(placed[r] // st[r].g)]) for r in PIPELINE}
+            t_held = float(static_makespans(st, held)[0])
+            if t_held <= t_static:
+                split, t_static = {r: placed[r] // st[r].g * st[r].g for r in PIPELINE}, t_held
     pred = {
         "static": t_static,
         "dynamic": dynamic_makespan(st, n, split),
@@ -639,6 +646,24 @@ def choose(
     handoff = sum(st[r].shift_s for r in PIPELINE[1:]) / (len(PIPELINE) - 1)
     return IterationChoice(mode, {m: v * scale for m, v in pred.items()}, split, scale, float(alone), handoff,
                            first_work(st, split))
+
+
+def moved_makespan(st: dict[Role, Stage], split: dict[Role, int], placed: dict[Role, int],
+                   t_split: float) -> float:
+    """The predicted makespan of `split` (`t_split` when in place) reached from `placed` (devices per
+    role): a replica moved into a role works only after its shift, so over the role's predicted span it
+    counts as 1 − shift / span of a replica (none when the shift outlasts the span: a cold shift into a
+    short first stage arrives after it)."""
+    reps = {r: float(split[r] // st[r].g) for r in PIPELINE}
+    first = st[PIPELINE[0]]
+    spans = {r: t_split for r in PIPELINE}
+    spans[PIPELINE[0]] = float(first.timing(np.asarray(reps[PIPELINE[0]]))[1])
+    eff = {}
+    for r in PIPELINE:
+        moved_in = max(split[r] - placed[r], 0) // st[r].g
+        late = min(1.0, st[r].shift_s / max(spans[r], 1e-12))
+        eff[r] = np.asarray([max(reps[r] - moved_in * late, 1e-3)])
+    return max(t_split, float(static_makespans(st, eff)[0]))
 
 
 def first_work(st: dict[Role, Stage], split: dict[Role, int]) -> dict[Role, float]:

@@ -3,7 +3,9 @@
 A shift is abort → offload → fetch weights (from the nearest GPS tier) → load → join; the driver times each
 phase and reports them in `Controller.on_shift_done`. We keep an exponentially weighted mean of the total per
 pair (and of each phase, for the log and dashboard). A pair never measured borrows the mean of its target
-role (fetch + load dominate and depend on the model being loaded), then the configured prior.
+role (fetch + load dominate and depend on the model being loaded), then the configured prior. A first
+placement (from no role) teaches only its own pair: it has nothing to abort or offload, and the simulator's
+free placements at t = 0 report no time at all, which made every later shift into that role look free.
 
 Fetch time depends on the device, not only on the pair: a device whose node (or own device tier) already
 holds a role's weights fetches them in a fraction of the time of one that pulls them across the network.
@@ -43,7 +45,8 @@ class ShiftCostModel:
         key = (from_role, to_role)
         a = self.alpha
         self._pair[key] = total if key not in self._pair else (1 - a) * self._pair[key] + a * total
-        self._to[to_role] = total if to_role not in self._to else (1 - a) * self._to[to_role] + a * total
+        if from_role is not None:  # a first placement is no shift: it says nothing of leaving a role
+            self._to[to_role] = total if to_role not in self._to else (1 - a) * self._to[to_role] + a * total
         ph = self.phases.setdefault(key, {})
         for name, v in timings.phases().items():
             ph[name] = v if name not in ph else (1 - a) * ph[name] + a * v

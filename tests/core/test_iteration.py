@@ -27,6 +27,7 @@ from pivotrl.core.iteration import (
     first_work,
     group_lag,
     learned_sync,
+    moved_makespan,
     ranked,
     stages,
     static_makespans,
@@ -510,3 +511,28 @@ def test_ranked_looks_past_the_bound_where_the_last_judgement_decides() -> None:
     split, t = best_static(stg, 24)
     assert t == pytest.approx(float(np.min(full)))
     assert (split[Role.ROLLOUT], split[Role.REWARD] // 2, split[Role.TRAIN]) == every[int(np.argmin(full))]
+
+
+@FEW
+@given(stg=stages_strategy, split=st.tuples(st.integers(1, 8), st.integers(1, 8), st.integers(1, 8)),
+       placed=st.tuples(st.integers(0, 8), st.integers(0, 8), st.integers(0, 8)), slower=st.floats(1.0, 10.0))
+def test_a_move_costs_its_shift_and_never_pays_for_itself(
+        stg: dict[Role, Stage], split: tuple[int, int, int], placed: tuple[int, int, int],
+        slower: float) -> None:
+    """`moved_makespan`: never below the split in place, exactly it when nothing moves, and no cheaper with
+    slower shifts; a replica whose shift outlasts its role's span counts for nothing."""
+    target = {r: c * stg[r].g for r, c in zip(PIPELINE, split)}
+    have = {r: c * stg[r].g for r, c in zip(PIPELINE, placed)}
+    reps = {r: np.asarray([float(c)]) for r, c in zip(PIPELINE, split)}
+    t_split = float(static_makespans(stg, reps)[0])
+    assert moved_makespan(stg, target, target, t_split) == t_split
+    t = moved_makespan(stg, target, have, t_split)
+    assert t >= t_split
+    slow = {r: dataclasses.replace(s, shift_s=s.shift_s * slower + 1e6 * (slower > 9.0))
+            for r, s in stg.items()}
+    t_slow = moved_makespan(slow, target, have, float(static_makespans(slow, reps)[0]))
+    assert t_slow >= t - 1e-9 * max(t, 1.0)
+    if slower > 9.0:   # every moved replica arrives after its role is done
+        gone = {r: np.asarray([max(float(split[i] - max(split[i] - placed[i], 0)), 1e-3)])
+                for i, r in enumerate(PIPELINE)}
+        assert t_slow == pytest.approx(max(t_split, float(static_makespans(slow, gone)[0])), rel=1e-9)

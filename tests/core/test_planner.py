@@ -332,6 +332,19 @@ def test_shift_cost_model_learns_per_pair() -> None:
     assert m.phases[(Role.ROLLOUT, Role.REWARD)]["fetch"] == 1.0
 
 
+@given(load=st.floats(0.0, 100.0), shift=st.floats(0.0, 100.0), role=st.sampled_from(list(Role)))
+def test_a_first_placement_teaches_only_its_own_pair(load: float, shift: float, role: Role) -> None:
+    """Placing a free device is no shift: whatever it took (the simulator's placements at t = 0 take
+    nothing), shifts into that role from another keep the prior until one is measured, then that."""
+    m = ShiftCostModel(prior_s=5.0, alpha=0.5)
+    m.observe(None, role, ShiftTimings(load=load))
+    assert m.duration(None, role) == pytest.approx(load)
+    other = next(r for r in Role if r is not role)
+    assert m.duration(other, role) == 5.0
+    m.observe(other, role, ShiftTimings(fetch=shift))
+    assert m.duration(next(r for r in Role if r not in (role, other)), role) == pytest.approx(shift)
+
+
 def test_reasoning_is_json_ready() -> None:
     import json
 
