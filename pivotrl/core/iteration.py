@@ -2,8 +2,10 @@
 
 Why (issue #14): the tick planner maximises work over a short horizon, so it can lose to a plan that never
 moves a device. On-policy, what counts is the iteration's makespan, which ends with the longest chain
-(the longest rollout, its judgement, its group's training). This module predicts that makespan, from
-core's own throughput fits and shift-cost model, for three whole-iteration plans:
+(the longest rollout, its judgement, its group's training). This module measures the last iteration
+(`IterationMeter`), turns it and the priors into the iteration's stages (`stages`; each stage's timing is
+`pivotrl.core.stage`), and predicts the makespan (`pivotrl.core.makespan`), from core's own throughput
+fits and shift-cost model, for three whole-iteration plans:
 
 * `static`: a fixed split (the best one is searched exhaustively over replica counts, vectorised);
 * `colocated`: every device on one stage at a time, a full-cluster shift between stages;
@@ -25,7 +27,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pivotrl.core.makespan import (
+    best_static,
+    colocated_makespan,
+    dynamic_makespan,
+    first_work,
+    moved_makespan,
+    static_makespans,
+)
 from pivotrl.core.shiftcost import ShiftCostModel
+from pivotrl.core.stage import TAIL_FRACTIONS, Stage, tail_lengths
 from pivotrl.core.state import ClusterState
 from pivotrl.core.types import PIPELINE, Role
 
@@ -33,22 +44,7 @@ from pivotrl.core.types import PIPELINE, Role
 #: RL lengths: p99 ≈ 10× median, DESIGN §1). After one iteration the measured longest replaces it.
 PRIOR_LONGEST_OVER_MEAN = 4.0
 
-#: Fractions f at which a length profile holds the length exceeded by a fraction f of the items. With the
-#: longest item they describe where a stage's tail is: the items that end a stage are the long ones that
-#: started late, and those are counted per fraction (`Stage.points`). The two above the median say when
-#: the short items end: with every item in one batch, nine tenths are still running until the shortest
-#: tenth is decoded, not a tenth of the drain in (`Stage.emitted`).
-TAIL_FRACTIONS = (0.9, 0.75, 0.5, 0.25, 0.1, 0.03, 0.01, 0.003, 0.001, 3e-4, 1e-4, 3e-5, 1e-5)
-MEDIAN = TAIL_FRACTIONS.index(0.5)
-
-#: Fractions of an iteration's groups still incomplete at which the train stage's backlog is checked.
-GROUP_FRACTIONS = (0.99, 0.95, 0.9, 0.75, 0.5, 0.25, 0.1, 0.03, 0.01, 0.003, 0.001)
-
 MODES = ("static", "dynamic", "colocated")
-
-#: Time steps of `Stage.last_end`'s integral (its error is under half a step of the stage's span).
-LAST_END_STEPS = 48
-
 
 @dataclass(frozen=True)
 class RoleProfile:
@@ -60,14 +56,6 @@ class RoleProfile:
     max_tokens: float
     tail: tuple[float, ...] = ()
     prompt_mean: float = 0.0
-
-
-def tail_lengths(lengths: np.ndarray) -> tuple[float, ...]:
-    """The lengths exceeded by each of `TAIL_FRACTIONS` of `lengths` (empty for no lengths)."""
-    if lengths.size == 0:
-        return ()
-    q = np.quantile(lengths, [1.0 - f for f in TAIL_FRACTIONS])
-    return tuple(float(x) for x in q)
 
 
 @dataclass(frozen=True)
@@ -150,231 +138,6 @@ def shift_in(costs: ShiftCostModel, role: Role) -> float:
     """Mean seconds for a device of another role to take up `role` (free placements are not shifts)."""
     others = [d for d in PIPELINE if d is not role]
     return sum(costs.duration(d, role) for d in others) / len(others)
-
-
-@dataclass(frozen=True)
-class Stage:
-    """One role's iteration work in the model's terms (see `stages`)."""
-
-    role: Role
-    g: int
-    seqs: float
-    mean: float  # tokens per item
-    longest: float  # tokens of the longest item
-    a: float
-    b: float
-    k: float  # work per item per step (1 for decode, an item's tokens for train)
-    cap: float  # items per replica at once
-    shift_s: float  # seconds for a device to take up this role
-    decode: bool  # a generation stage: an item takes one step per token
-    prefill_s: float = 0.0  # seconds one replica pauses to prefill one item's prompt
-    tail: tuple[float, ...] = ()  # lengths at TAIL_FRACTIONS (empty: only the mean and the longest known)
-    group: int = 1  # items per group (the train stage's items arrive by whole groups)
-    sync_fixed_s: float = 0.0  # after the stage's last item: sync(m) = fixed + shared / m (`RoleSpec`)
-    sync_shared_s: float = 0.0
-
-    def step(self, conc: np.ndarray) -> np.ndarray:
-        return self.a + self.b * self.k * conc
-
-    def sync(self, m: np.ndarray) -> np.ndarray:
-        """Seconds between the stage's last item and the next iteration with `m` replicas."""
-        return self.sync_fixed_s + self.sync_shared_s / np.maximum(np.asarray(m, dtype=float), 1.0)
-
-    def points(self) -> tuple[np.ndarray, np.ndarray]:
-        """(f, length): a fraction f of the items is at least `length` long, for the tail fractions that
-        hold at least one item, down to the longest (f = 1 / seqs)."""
-        n = max(self.seqs, 1.0)
-        known = zip(TAIL_FRACTIONS, self.tail) if self.tail else [(0.5, self.mean)]
-        fs, ls = [], []
-        for f, x in known:
-            if f * n > 1.0:
-                fs.append(f)
-                ls.append(x)
-        fs.append(1.0 / n)
-        ls.append(self.longest)
-        return np.asarray(fs), np.maximum.accumulate(np.asarray(ls, dtype=float))
-
-    def length_at(self, f: np.ndarray) -> np.ndarray:
-        """The length exceeded by a fraction `f` of the items (log-interpolated between the points)."""
-        fs, ls = self.points()
-        x = np.log(np.clip(f, fs[-1], 1.0))
-        return np.interp(-x, -np.log(fs), ls)
-
-    def _batch(self, m: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        m = np.maximum(np.asarray(m, dtype=float), 1e-12)
-        per = np.maximum(self.seqs / m, 1.0)  # items per replica
-        conc = np.minimum(self.cap, per)
-        return per, conc, self.step(conc)
-
-    def timing(self, m: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(drain time of all its work, end time of its last item) with `m` replicas, items spread evenly
-        and all available at once.
-
-        Drain: every item's tokens at the full batch's rate, plus each item's prompt prefill, which pauses
-        its replica (`prefill_s`). The items past the first batch start while the queue drains (the queued
-        part of the drain, `q`); of the f·n items at least `length_at(f)` long, the last starts at about
-        q·(1 − 1/(f·n + 1)) and then takes one step per token at the full batch's step time, after the
-        first batch's prefill. A stage ends with its drain or with the latest of those (for the longest
-        item alone: halfway through the queued part, as measured on the paper reconstruction's rollout).
-        """
-        per, conc, step = self._batch(m)
-        m = np.maximum(np.asarray(m, dtype=float), 1e-12)
-        rate = np.minimum(m, max(self.seqs, 1.0)) * conc * self.k / step  # work per second
-        drain = self.seqs * self.mean / np.maximum(rate, 1e-300)  # tokens over tokens/s
-        if not self.decode:
-            return drain, drain + step
-        drain = drain + per * self.prefill_s
-        q = np.maximum(0.0, 1.0 - conc / per) * drain
-        first = conc * self.prefill_s
-        end = drain
-        fs, ls = self.points()
-        n = max(self.seqs, 1.0)
-        for f, length in zip(fs, ls):
-            start = q * (1.0 - 1.0 / (f * n + 1.0))
-            end = np.maximum(end, start + self.run_s(start, length, drain, per, conc) + first)
-        return drain, end
-
-    def run_s(self, start: np.ndarray, length: float | np.ndarray, drain: np.ndarray, per: np.ndarray,
-              conc: np.ndarray) -> np.ndarray:
-        """Seconds an item of `length` tokens takes from `start` on a replica that drains its `per` items
-        in `drain` seconds. With step = a + b·x, any span of steps takes a·steps + b·(tokens decoded in
-        it): the item's `length` steps, and the tokens its batch decodes meanwhile — at most a full batch
-        per step, and no more than the replica has left at `start` (a long item that outlives its batch
-        runs alone at the short step of a small batch, where a full batch's step would price its tail
-        ~25 % slow)."""
-        left = per * self.mean * np.maximum(0.0, 1.0 - start / np.maximum(drain, 1e-12))
-        return self.run_with(left, length, conc)
-
-    def run_with(self, left: np.ndarray, length: float | np.ndarray, conc: np.ndarray) -> np.ndarray:
-        """Seconds an item of `length` tokens takes on a replica with `left` tokens of other work to do
-        meanwhile, in batches of at most `conc` (`run_s`)."""
-        work = np.minimum(conc * length, np.maximum(length, left))
-        return self.a * length + self.b * self.k * work
-
-    def max_length_within(self, seconds: np.ndarray, left: np.ndarray, conc: np.ndarray) -> np.ndarray:
-        """The longest item `run_with` finishes within `seconds` (its inverse: the run is piecewise linear
-        and increasing in the length)."""
-        a, bk = self.a, self.b * self.k
-        x = np.maximum(seconds, 0.0)
-        batched = x / (a + bk * conc)  # the batch decodes beside it all along
-        outlived = (x - bk * left) / a  # the replica's other work ends before it
-        alone = x / (a + bk)  # longer than all the other work: the rest of it runs alone
-        return np.where(batched * conc <= left, batched, np.where(outlived <= left, outlived, alone))
-
-    def longer_than(self, length: np.ndarray) -> np.ndarray:
-        """The fraction of items longer than `length` (`length_at`'s inverse; linear from 1 at length 0
-        to the first point, 0 from the longest on)."""
-        fs, ls = self.points()
-        x = np.asarray(length, dtype=float)
-        f = np.exp(np.interp(x, ls, np.log(fs)))
-        below = 1.0 - (1.0 - fs[0]) * np.clip(x / max(float(ls[0]), 1e-12), 0.0, 1.0)
-        return np.where(x >= ls[-1], 0.0, np.where(x < ls[0], below, f))
-
-    def emitted(self, m: np.ndarray, f: float) -> np.ndarray:
-        """When all but a fraction `f` of the items have ended (the f·n last to end are still running): the
-        drain's share of them, or, for each point (fp, length) with fp ≥ f, the (f·n)-th latest start
-        among the fp·n items at least `length` long (q·(1 − f·n / (fp·n + 1)), starts uniform over the
-        queued part q) plus its run (`run_s`). f = 1/n gives `timing`'s end."""
-        drain, _ = self.timing(m)
-        per, conc, _ = self._batch(m)
-        return self._emitted(f, drain, per, conc)
-
-    def emissions(self, m: np.ndarray) -> dict[float, np.ndarray]:
-        """`emitted` at each of the stage's length points: the upstream curve `after` takes."""
-        drain, _ = self.timing(m)
-        per, conc, _ = self._batch(m)
-        fs, _ = self.points()
-        return {float(f): self._emitted(float(f), drain, per, conc) for f in fs}
-
-    def _emitted(self, f: float, drain: np.ndarray, per: np.ndarray, conc: np.ndarray) -> np.ndarray:
-        if f * max(self.seqs, 1.0) <= 1.0 + 1e-9:
-            f = 0.0  # the last item: the whole drain
-        if not self.decode:
-            return drain * (1.0 - f)
-        q = np.maximum(0.0, 1.0 - conc / per) * drain
-        n = max(self.seqs, 1.0)
-        out = drain * (1.0 - f)
-        fs, ls = self.points()
-        for fp, length in zip(fs, ls):
-            if fp * n >= f * n - 1e-9:
-                start = q * np.maximum(0.0, 1.0 - max(f * n, 1.0) / (fp * n + 1.0))
-                run = self.run_s(start, length, drain, per, conc)
-                out = np.maximum(out, start + run + conc * self.prefill_s)
-        return out
-
-    def after(self, up_emitted: dict[float, np.ndarray], m: np.ndarray, f: float) -> np.ndarray:
-        """When all but a fraction `f` of this stage's items have ended, its items arriving as the upstream
-        stage ends them (`up_emitted`: upstream fraction fa -> when all but fa of them have ended): of the
-        fa·n last to arrive, a fraction f/fa is at least `length_at(f/fa)` long and runs after its
-        prefill, beside the work that arrives with it or later (fa of the replica's, not what the replica
-        would have left had all of it been there from the start), and after the prefills of the items
-        arriving with it (half of them, on average, go first: a burst of arrivals pauses the replica once
-        per prompt). Nor can the fa·n items be done sooner than their share of the drain after their
-        arrival begins. Never before its own emission with every item available."""
-        drain, _ = self.timing(m)
-        per, conc, _ = self._batch(m)
-        own = self._emitted(f, drain, per, conc)
-        for fa, t in up_emitted.items():
-            if fa >= f:
-                length = self.length_at(np.asarray(f / fa))
-                left = fa * per * self.mean
-                prefill = self.prefill_s * (1.0 + 0.5 * fa * per)
-                own = np.maximum(own, t + self.run_with(left, length, conc) + prefill)
-                own = np.maximum(own, t + (fa - f) * drain)
-        return own
-
-    def last_end(self, up_emitted: dict[float, np.ndarray], m: np.ndarray, exact: bool = True) -> np.ndarray:
-        """When this stage's last item ends, its items arriving on the upstream curve in an order that has
-        nothing to do with their own lengths (a judgement's length does not depend on when its rollout
-        ended).
-
-        The stage ends at max_i (arrival_i + run_i). `after` pairs each arrival window with the longest
-        item it is expected to hold, as if that item came first in its window; so it hardly sees how late
-        the upstream stage runs. Here the expected number of items still running at T (each arrival bin's
-        count times the fraction of lengths that would not be done by T) is E(T), the chance that none is
-        exp(−E(T)) (Poisson), and the expected end is the integral of 1 − exp(−E) over T. Never before the
-        longest item itself, arriving at the mean arrival time: that alone with `exact=False` (cheap, and
-        never above the full value)."""
-        n = max(self.seqs, 1.0)
-        per, conc, _ = self._batch(m)
-        fas = sorted(up_emitted, reverse=True)
-        bins: list[tuple[float, np.ndarray, float]] = []  # (items, arrival time, fraction still to come)
-        prev_f, prev_t = 1.0, np.zeros(np.shape(up_emitted[fas[0]]))
-        for fa in fas:
-            t = np.asarray(up_emitted[fa], dtype=float)
-            bins.append(((prev_f - fa) * n, 0.5 * (prev_t + t), prev_f))
-            prev_f, prev_t = fa, t
-        bins.append((prev_f * n, prev_t, prev_f))
-        longest_run = self.run_with(0.5 * per * self.mean, self.longest, conc)
-        arrival = sum(count * t for count, t, _ in bins) / n
-        longest_end = arrival + self.prefill_s * (1.0 + 0.25 * per) + longest_run
-        if not exact:
-            return longest_end
-        hi = prev_t + self.prefill_s * (1.0 + 0.5 * per) + self.run_with(per * self.mean, self.longest, conc)
-        dt = hi / LAST_END_STEPS
-        end = np.zeros(np.shape(hi))
-        for k in range(LAST_END_STEPS):
-            horizon = (k + 0.5) * dt
-            running = np.zeros(np.shape(hi))
-            for count, t, fa in bins:
-                budget = horizon - t - self.prefill_s * (1.0 + 0.5 * fa * per)
-                done_by = self.max_length_within(budget, fa * per * self.mean, conc)
-                running = running + count * np.where(budget > 0.0, self.longer_than(done_by), 1.0)
-            end = end + (1.0 - np.exp(-running)) * dt
-        return np.maximum(end, longest_end)
-
-    def last_item_s(self) -> float:
-        """An item started alone after its upstream finished (the tail end of the chain)."""
-        one = float(self.step(np.asarray(1.0)))
-        return self.mean * one + self.prefill_s if self.decode else one
-
-    def peak_weight(self) -> float:
-        """Device-seconds per unit of work at full batch."""
-        return self.g * float(self.step(np.asarray(self.cap))) / (self.cap * self.k)
-
-    def work_device_s(self) -> float:
-        """Device-seconds of the stage's whole work at full batch, prefill included."""
-        return self.seqs * (self.mean * self.peak_weight() + self.g * self.prefill_s)
 
 
 def stages(
@@ -463,125 +226,6 @@ def learned_sync(fixed: float, shared: float, sample: SyncSample) -> tuple[float
     return fixed * k, shared * k
 
 
-def static_makespans(
-    st: dict[Role, Stage], reps: dict[Role, np.ndarray], last_end: bool = True
-) -> np.ndarray:
-    """Predicted makespan of a streaming static split (replicas per role, arrays of equal shape).
-
-    The first stage ends its items by `Stage.emitted`; the second ends each of its tail fractions after the
-    matching part of the first (`Stage.after`), and its last item no sooner than `Stage.last_end` says.
-    Train items arrive by groups: a group is complete when its slowest member is judged. Two views of when
-    a fraction fg of the groups is still incomplete, the later one counts: members submitted together end
-    together, `group_lag` after their typical member, i.e. a lag after fg of the judgements remain; or
-    members end independently, and a group is complete once all G are, i.e. when only 1 − (1 − fg)^(1/G)
-    of the judgements remain (with long-tailed judgements nearly every large group waits for one of the
-    last). Train then still has fg of its work to drain. Train ends with the latest of those, its own
-    drain, and one step after the last judgement; then it syncs (`Stage.sync`).
-
-    `last_end=False` takes only the cheap part of `Stage.last_end`: never above the full prediction, so
-    it bounds a search from below (`best_static`)."""
-    ro, rw, tr = (st[r] for r in PIPELINE)
-    m_ro, m_rw, m_tr = (np.asarray(reps[r], dtype=float) for r in PIPELINE)
-    n = max(ro.seqs, 1.0)
-    up = ro.emissions(m_ro)
-    t_rw = np.maximum(rw.after(up, m_rw, 1.0 / n), rw.timing(m_rw)[1])
-    t_rw = np.maximum(t_rw, rw.last_end(up, m_rw, exact=last_end))
-    drain_tr, e_tr = tr.timing(m_tr)
-    end = np.maximum(e_tr, t_rw + tr.last_item_s())
-    g = max(tr.group, 1)
-    groups = max(n / g, 1.0)
-    lag = group_lag(ro, rw, m_ro, m_rw, g)
-    for fg in GROUP_FRACTIONS:
-        if fg * groups < 1.0:
-            break
-        independent = max(1.0 - (1.0 - fg) ** (1.0 / g), 1.0 / n)
-        complete = np.maximum(rw.after(up, m_rw, fg) + lag, rw.after(up, m_rw, independent))
-        end = np.maximum(end, complete + fg * drain_tr)
-    return end + tr.sync(m_tr)
-
-
-def group_lag(ro: Stage, rw: Stage, m_ro: np.ndarray, m_rw: np.ndarray, g: int) -> np.ndarray:
-    """Seconds by which a group of `g` items completes after its typical (median) member: its members start
-    together, so it waits for the longest of g rollouts and of g judgements, about the lengths exceeded by
-    1/(g + 1) of the items, each at its stage's step. 0 for single items and for constant lengths, where a
-    group ends with its members (a model that lets members end in random order would keep train waiting
-    for nearly all judgements: 0.97 of a perfect static split's speed in tests/sim/test_sanity.py)."""
-    shape = np.broadcast(np.asarray(m_ro), np.asarray(m_rw)).shape
-    if g <= 1:
-        return np.zeros(shape)
-    q = np.asarray(1.0 / (g + 1.0))
-    half = np.asarray(0.5)
-    lag = np.zeros(shape)
-    for s, m in ((ro, m_ro), (rw, m_rw)):
-        _, _, step = s._batch(m)
-        lag = lag + np.maximum(s.length_at(q) - s.length_at(half), 0.0) * step
-    return lag
-
-
-def best_static(st: dict[Role, Stage], n_devices: int) -> tuple[dict[Role, int], float] | None:
-    """The split (devices per role) with the lowest predicted makespan, exhaustive over every split into
-    whole replicas (numpy over the (rollout, reward) grid; train takes what is left). None if none fits.
-
-    Exact but cheap: every split is priced without `Stage.last_end`'s integral (a lower bound), then the full
-    prediction is computed for the splits in order of that bound, a batch at a time, until the best full
-    prediction is no worse than the next bound."""
-    ro, rw, tr = (st[r] for r in PIPELINE)
-    a = np.arange(1, n_devices // ro.g + 1)
-    b = np.arange(1, n_devices // rw.g + 1)
-    aa, bb = np.meshgrid(a, b, indexing="ij")
-    left = n_devices - aa * ro.g - bb * rw.g
-    cc = left // tr.g
-    ok = cc >= 1
-    if not ok.any():
-        return None
-    reps = {Role.ROLLOUT: aa[ok], Role.REWARD: bb[ok], Role.TRAIN: cc[ok]}
-    i, t = ranked(st, reps, 1)[0]
-    split = {r: int(reps[r][i]) * st[r].g for r in PIPELINE}
-    return split, t
-
-
-def ranked(st: dict[Role, Stage], reps: dict[Role, np.ndarray], k: int,
-           batch: int = 512) -> list[tuple[int, float]]:
-    """The `k` splits of `reps` (replicas per role, 1-d arrays) with the lowest full `static_makespans`,
-    best first, as (index, prediction): the bound-ordered search `best_static` describes."""
-    bound = static_makespans(st, reps, last_end=False)
-    order = np.argsort(bound, kind="stable")
-    found: list[tuple[float, int]] = []
-    for lo in range(0, order.size, batch):
-        idx = order[lo : lo + batch]
-        if len(found) >= k and found[k - 1][0] <= bound[idx[0]]:
-            break
-        full = static_makespans(st, {r: v[idx] for r, v in reps.items()})
-        found = sorted(found + [(float(x), int(j)) for x, j in zip(full, idx)])[:k]
-    return [(j, x) for x, j in found]
-
-
-def colocated_makespan(st: dict[Role, Stage], n_devices: int) -> float:
-    """Every stage alone on the whole cluster in turn, one full-cluster shift before each."""
-    total = 0.0
-    for s in st.values():
-        m = np.asarray(float(max(n_devices // s.g, 1)))
-        _, end = s.timing(m)
-        total += float(end) + s.shift_s + float(s.sync(m))
-    return total
-
-
-def dynamic_makespan(st: dict[Role, Stage], n_devices: int, static_split: dict[Role, int] | None) -> float:
-    """The tick planner at its best: the fluid time plus the shifts its devices make (every device outside
-    the first stage's best static share goes there and back, once each per iteration), never below the
-    chain of the longest rollout at full batch, one judgement and one train step."""
-    fluid = sum(s.work_device_s() for s in st.values()) / n_devices
-    first = st[PIPELINE[0]]
-    share = (static_split or {}).get(PIPELINE[0], n_devices) / n_devices
-    mean_shift = sum(s.shift_s for s in st.values()) / len(st)
-    moving = 2.0 * mean_shift * (1.0 - share)
-    _, l_ro = first.timing(np.asarray(float(max(n_devices // first.g, 1))))
-    chain = float(l_ro) + st[Role.REWARD].last_item_s() + st[Role.TRAIN].last_item_s()
-    tr = st[Role.TRAIN]
-    sync = float(tr.sync(np.asarray(float(max((static_split or {}).get(Role.TRAIN, n_devices) // tr.g, 1)))))
-    return max(fluid + moving, chain) + sync
-
-
 @dataclass(frozen=True)
 class IterationChoice:
     """The plan chosen for an iteration, with every plan's prediction (seconds) for the log."""
@@ -648,37 +292,3 @@ def choose(
                            first_work(st, split))
 
 
-def moved_makespan(st: dict[Role, Stage], split: dict[Role, int], placed: dict[Role, int],
-                   t_split: float) -> float:
-    """The predicted makespan of `split` (`t_split` when in place) reached from `placed` (devices per
-    role): a replica moved into a role works only after its shift, so over the role's predicted span it
-    counts as 1 − shift / span of a replica (none when the shift outlasts the span: a cold shift into a
-    short first stage arrives after it)."""
-    reps = {r: float(split[r] // st[r].g) for r in PIPELINE}
-    first = st[PIPELINE[0]]
-    spans = {r: t_split for r in PIPELINE}
-    spans[PIPELINE[0]] = float(first.timing(np.asarray(reps[PIPELINE[0]]))[1])
-    eff = {}
-    for r in PIPELINE:
-        moved_in = max(split[r] - placed[r], 0) // st[r].g
-        late = min(1.0, st[r].shift_s / max(spans[r], 1e-12))
-        eff[r] = np.asarray([max(reps[r] - moved_in * late, 1e-3)])
-    return max(t_split, float(static_makespans(st, eff)[0]))
-
-
-def first_work(st: dict[Role, Stage], split: dict[Role, int]) -> dict[Role, float]:
-    """When each downstream role gets its first item on `split`: reward with the first finished rollout,
-    train with the first complete group (all of its G members judged)."""
-    ro, rw, tr = (st[r] for r in PIPELINE)
-    m = {r: np.asarray(float(max(split[r] // st[r].g, 1))) for r in PIPELINE}
-    n = max(ro.seqs, 1.0)
-    up = ro.emissions(m[Role.ROLLOUT])
-    first_rollout = 1.0 - 1.0 / n
-    groups = max(n / max(tr.group, 1), 1.0)
-    # the first group completes a group lag after the first of its members is judged (`static_makespans`)
-    lag = group_lag(ro, rw, m[Role.ROLLOUT], m[Role.REWARD], max(tr.group, 1))
-    first_group = max(1.0 - 1.0 / groups, 1.0 / n)
-    return {
-        Role.REWARD: float(ro.emitted(m[Role.ROLLOUT], first_rollout)),
-        Role.TRAIN: float(rw.after(up, m[Role.REWARD], first_group) + lag),
-    }

@@ -252,7 +252,7 @@ class IterationPlan:
     train_tokens_per_group: expected train tokens per finished group.
     rollout_prompt_tokens / reward_prompt_tokens: expected prompt tokens a rollout / a judgement prefills
         (0 = unknown); core's iteration model prices prefill with them (`iteration.stages`).
-    rollout_tokens_tail / reward_tokens_tail: expected lengths at `iteration.TAIL_FRACTIONS` (the length
+    rollout_tokens_tail / reward_tokens_tail: expected lengths at `stage.TAIL_FRACTIONS` (the length
         exceeded by that fraction of items), and rollout_tokens_longest / reward_tokens_longest the
         expected longest of the iteration; empty / 0 = unknown (a prior multiple of the mean is assumed
         until an iteration is measured). What a runtime knows of its length distribution beforehand, e.g.

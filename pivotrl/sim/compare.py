@@ -82,13 +82,15 @@ def all_groupings(cfg: SimConfig) -> list[dict[str, int]]:
 
 
 def model_ranked(cfg: SimConfig, splits: list[dict[str, int]], k: int) -> list[dict[str, int]]:
-    """The `k` best splits, best first, by core's own iteration model (`pivotrl.core.iteration`), fed with the
+    """The `k` best splits, best first, by core's own iteration model (`pivotrl.core.makespan`), fed with the
     workload's true lengths of iteration 0 (the baseline may know everything core would measure) and the
     profile's step-time lines: a much closer ranking than the bottleneck estimate, since it prices each
     stage's longest item and the pipeline's fill and drain."""
     import numpy as np
 
-    from pivotrl.core.iteration import IterationProfile, RoleProfile, ranked, stages, tail_lengths
+    from pivotrl.core.iteration import IterationProfile, RoleProfile, stages
+    from pivotrl.core.makespan import ranked
+    from pivotrl.core.stage import tail_lengths
     from pivotrl.core.types import Role
     from pivotrl.sim.driver import build_controller, iteration_plan
     from pivotrl.sim.workload import iteration_sequences

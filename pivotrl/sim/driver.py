@@ -9,7 +9,7 @@ from the simulated `on_step` samples), capacities, prefill rates, and the worklo
 from __future__ import annotations
 
 from pivotrl.core import Controller, ControllerConfig, IterationPlan, Role, RoleSpec, make_policy
-from pivotrl.core.iteration import TAIL_FRACTIONS
+from pivotrl.core.stage import TAIL_FRACTIONS
 from pivotrl.sim.config import SimConfig
 from pivotrl.sim.costs import barrier_time, shift_time
 from pivotrl.sim.workload import length_profile, mean_length

@@ -1,4 +1,5 @@
-"""The whole-iteration model (core/iteration.py) and the measured profile the controller hands the policy."""
+"""The whole-iteration model (core/stage.py, core/makespan.py, core/iteration.py) and the measured profile
+the controller hands the policy."""
 
 from __future__ import annotations
 
@@ -12,29 +13,27 @@ from hypothesis import strategies as st
 
 from pivotrl.core import Controller, IterationPlan, Role, RoleSpec
 from pivotrl.core.iteration import (
-    GROUP_FRACTIONS,
-    LAST_END_STEPS,
-    MEDIAN,
-    TAIL_FRACTIONS,
     IterationChoice,
     IterationMeter,
     IterationProfile,
     RoleProfile,
-    Stage,
     SyncSample,
-    best_static,
     choose,
+    learned_sync,
+    stages,
+)
+from pivotrl.core.makespan import (
+    GROUP_FRACTIONS,
+    best_static,
     first_work,
     group_lag,
-    learned_sync,
     moved_makespan,
     ranked,
-    stages,
     static_makespans,
-    tail_lengths,
 )
 from pivotrl.core.shiftable import Shiftable, opening_split, toward_split
 from pivotrl.core.shiftcost import ShiftCostModel
+from pivotrl.core.stage import LAST_END_STEPS, MEDIAN, TAIL_FRACTIONS, Stage, tail_lengths
 from pivotrl.core.state import ClusterState
 from pivotrl.core.types import PIPELINE, ControllerConfig, ReplicaState
 

@@ -1,0 +1,259 @@
+"""One stage of an iteration in the whole-iteration model: when its items end, alone or fed by the stage
+before it.
+
+Why a model of its own: `pivotrl.core.iteration` predicts whole-iteration plans from these per-stage
+answers (`pivotrl.core.makespan`), and each answer — when the short items end, when a late-arriving item
+ends, when the last one can — is a separate, testable claim about continuous batching: a step costs
+a + b·(work in the batch), an item takes one step per token, a prompt's prefill pauses its replica.
+Pure: numbers in, numbers out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from pivotrl.core.types import Role
+
+#: Fractions f at which a length profile holds the length exceeded by a fraction f of the items. With the
+#: longest item they describe where a stage's tail is: the items that end a stage are the long ones that
+#: started late, and those are counted per fraction (`Stage.points`). The two above the median say when
+#: the short items end: with every item in one batch, nine tenths are still running until the shortest
+#: tenth is decoded, not a tenth of the drain in (`Stage.emitted`).
+TAIL_FRACTIONS = (0.9, 0.75, 0.5, 0.25, 0.1, 0.03, 0.01, 0.003, 0.001, 3e-4, 1e-4, 3e-5, 1e-5)
+MEDIAN = TAIL_FRACTIONS.index(0.5)
+
+#: Time steps of `Stage.last_end`'s integral (its error is under half a step of the stage's span).
+LAST_END_STEPS = 48
+
+def tail_lengths(lengths: np.ndarray) -> tuple[float, ...]:
+    """The lengths exceeded by each of `TAIL_FRACTIONS` of `lengths` (empty for no lengths)."""
+    if lengths.size == 0:
+        return ()
+    q = np.quantile(lengths, [1.0 - f for f in TAIL_FRACTIONS])
+    return tuple(float(x) for x in q)
+
+@dataclass(frozen=True)
+class Stage:
+    """One role's iteration work in the model's terms (see `stages`)."""
+
+    role: Role
+    g: int
+    seqs: float
+    mean: float  # tokens per item
+    longest: float  # tokens of the longest item
+    a: float
+    b: float
+    k: float  # work per item per step (1 for decode, an item's tokens for train)
+    cap: float  # items per replica at once
+    shift_s: float  # seconds for a device to take up this role
+    decode: bool  # a generation stage: an item takes one step per token
+    prefill_s: float = 0.0  # seconds one replica pauses to prefill one item's prompt
+    tail: tuple[float, ...] = ()  # lengths at TAIL_FRACTIONS (empty: only the mean and the longest known)
+    group: int = 1  # items per group (the train stage's items arrive by whole groups)
+    sync_fixed_s: float = 0.0  # after the stage's last item: sync(m) = fixed + shared / m (`RoleSpec`)
+    sync_shared_s: float = 0.0
+
+    def step(self, conc: np.ndarray) -> np.ndarray:
+        return self.a + self.b * self.k * conc
+
+    def sync(self, m: np.ndarray) -> np.ndarray:
+        """Seconds between the stage's last item and the next iteration with `m` replicas."""
+        return self.sync_fixed_s + self.sync_shared_s / np.maximum(np.asarray(m, dtype=float), 1.0)
+
+    def points(self) -> tuple[np.ndarray, np.ndarray]:
+        """(f, length): a fraction f of the items is at least `length` long, for the tail fractions that
+        hold at least one item, down to the longest (f = 1 / seqs)."""
+        n = max(self.seqs, 1.0)
+        known = zip(TAIL_FRACTIONS, self.tail) if self.tail else [(0.5, self.mean)]
+        fs, ls = [], []
+        for f, x in known:
+            if f * n > 1.0:
+                fs.append(f)
+                ls.append(x)
+        fs.append(1.0 / n)
+        ls.append(self.longest)
+        return np.asarray(fs), np.maximum.accumulate(np.asarray(ls, dtype=float))
+
+    def length_at(self, f: np.ndarray) -> np.ndarray:
+        """The length exceeded by a fraction `f` of the items (log-interpolated between the points)."""
+        fs, ls = self.points()
+        x = np.log(np.clip(f, fs[-1], 1.0))
+        return np.interp(-x, -np.log(fs), ls)
+
+    def _batch(self, m: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        m = np.maximum(np.asarray(m, dtype=float), 1e-12)
+        per = np.maximum(self.seqs / m, 1.0)  # items per replica
+        conc = np.minimum(self.cap, per)
+        return per, conc, self.step(conc)
+
+    def timing(self, m: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(drain time of all its work, end time of its last item) with `m` replicas, items spread evenly
+        and all available at once.
+
+        Drain: every item's tokens at the full batch's rate, plus each item's prompt prefill, which pauses
+        its replica (`prefill_s`). The items past the first batch start while the queue drains (the queued
+        part of the drain, `q`); of the f·n items at least `length_at(f)` long, the last starts at about
+        q·(1 − 1/(f·n + 1)) and then takes one step per token at the full batch's step time, after the
+        first batch's prefill. A stage ends with its drain or with the latest of those (for the longest
+        item alone: halfway through the queued part, as measured on the paper reconstruction's rollout).
+        """
+        per, conc, step = self._batch(m)
+        m = np.maximum(np.asarray(m, dtype=float), 1e-12)
+        rate = np.minimum(m, max(self.seqs, 1.0)) * conc * self.k / step  # work per second
+        drain = self.seqs * self.mean / np.maximum(rate, 1e-300)  # tokens over tokens/s
+        if not self.decode:
+            return drain, drain + step
+        drain = drain + per * self.prefill_s
+        q = np.maximum(0.0, 1.0 - conc / per) * drain
+        first = conc * self.prefill_s
+        end = drain
+        fs, ls = self.points()
+        n = max(self.seqs, 1.0)
+        for f, length in zip(fs, ls):
+            start = q * (1.0 - 1.0 / (f * n + 1.0))
+            end = np.maximum(end, start + self.run_s(start, length, drain, per, conc) + first)
+        return drain, end
+
+    def run_s(self, start: np.ndarray, length: float | np.ndarray, drain: np.ndarray, per: np.ndarray,
+              conc: np.ndarray) -> np.ndarray:
+        """Seconds an item of `length` tokens takes from `start` on a replica that drains its `per` items
+        in `drain` seconds. With step = a + b·x, any span of steps takes a·steps + b·(tokens decoded in
+        it): the item's `length` steps, and the tokens its batch decodes meanwhile — at most a full batch
+        per step, and no more than the replica has left at `start` (a long item that outlives its batch
+        runs alone at the short step of a small batch, where a full batch's step would price its tail
+        ~25 % slow)."""
+        left = per * self.mean * np.maximum(0.0, 1.0 - start / np.maximum(drain, 1e-12))
+        return self.run_with(left, length, conc)
+
+    def run_with(self, left: np.ndarray, length: float | np.ndarray, conc: np.ndarray) -> np.ndarray:
+        """Seconds an item of `length` tokens takes on a replica with `left` tokens of other work to do
+        meanwhile, in batches of at most `conc` (`run_s`)."""
+        work = np.minimum(conc * length, np.maximum(length, left))
+        return self.a * length + self.b * self.k * work
+
+    def max_length_within(self, seconds: np.ndarray, left: np.ndarray, conc: np.ndarray) -> np.ndarray:
+        """The longest item `run_with` finishes within `seconds` (its inverse: the run is piecewise linear
+        and increasing in the length)."""
+        a, bk = self.a, self.b * self.k
+        x = np.maximum(seconds, 0.0)
+        batched = x / (a + bk * conc)  # the batch decodes beside it all along
+        outlived = (x - bk * left) / a  # the replica's other work ends before it
+        alone = x / (a + bk)  # longer than all the other work: the rest of it runs alone
+        return np.where(batched * conc <= left, batched, np.where(outlived <= left, outlived, alone))
+
+    def longer_than(self, length: np.ndarray) -> np.ndarray:
+        """The fraction of items longer than `length` (`length_at`'s inverse; linear from 1 at length 0
+        to the first point, 0 from the longest on)."""
+        fs, ls = self.points()
+        x = np.asarray(length, dtype=float)
+        f = np.exp(np.interp(x, ls, np.log(fs)))
+        below = 1.0 - (1.0 - fs[0]) * np.clip(x / max(float(ls[0]), 1e-12), 0.0, 1.0)
+        return np.where(x >= ls[-1], 0.0, np.where(x < ls[0], below, f))
+
+    def emitted(self, m: np.ndarray, f: float) -> np.ndarray:
+        """When all but a fraction `f` of the items have ended (the f·n last to end are still running): the
+        drain's share of them, or, for each point (fp, length) with fp ≥ f, the (f·n)-th latest start
+        among the fp·n items at least `length` long (q·(1 − f·n / (fp·n + 1)), starts uniform over the
+        queued part q) plus its run (`run_s`). f = 1/n gives `timing`'s end."""
+        drain, _ = self.timing(m)
+        per, conc, _ = self._batch(m)
+        return self._emitted(f, drain, per, conc)
+
+    def emissions(self, m: np.ndarray) -> dict[float, np.ndarray]:
+        """`emitted` at each of the stage's length points: the upstream curve `after` takes."""
+        drain, _ = self.timing(m)
+        per, conc, _ = self._batch(m)
+        fs, _ = self.points()
+        return {float(f): self._emitted(float(f), drain, per, conc) for f in fs}
+
+    def _emitted(self, f: float, drain: np.ndarray, per: np.ndarray, conc: np.ndarray) -> np.ndarray:
+        if f * max(self.seqs, 1.0) <= 1.0 + 1e-9:
+            f = 0.0  # the last item: the whole drain
+        if not self.decode:
+            return drain * (1.0 - f)
+        q = np.maximum(0.0, 1.0 - conc / per) * drain
+        n = max(self.seqs, 1.0)
+        out = drain * (1.0 - f)
+        fs, ls = self.points()
+        for fp, length in zip(fs, ls):
+            if fp * n >= f * n - 1e-9:
+                start = q * np.maximum(0.0, 1.0 - max(f * n, 1.0) / (fp * n + 1.0))
+                run = self.run_s(start, length, drain, per, conc)
+                out = np.maximum(out, start + run + conc * self.prefill_s)
+        return out
+
+    def after(self, up_emitted: dict[float, np.ndarray], m: np.ndarray, f: float) -> np.ndarray:
+        """When all but a fraction `f` of this stage's items have ended, its items arriving as the upstream
+        stage ends them (`up_emitted`: upstream fraction fa -> when all but fa of them have ended): of the
+        fa·n last to arrive, a fraction f/fa is at least `length_at(f/fa)` long and runs after its
+        prefill, beside the work that arrives with it or later (fa of the replica's, not what the replica
+        would have left had all of it been there from the start), and after the prefills of the items
+        arriving with it (half of them, on average, go first: a burst of arrivals pauses the replica once
+        per prompt). Nor can the fa·n items be done sooner than their share of the drain after their
+        arrival begins. Never before its own emission with every item available."""
+        drain, _ = self.timing(m)
+        per, conc, _ = self._batch(m)
+        own = self._emitted(f, drain, per, conc)
+        for fa, t in up_emitted.items():
+            if fa >= f:
+                length = self.length_at(np.asarray(f / fa))
+                left = fa * per * self.mean
+                prefill = self.prefill_s * (1.0 + 0.5 * fa * per)
+                own = np.maximum(own, t + self.run_with(left, length, conc) + prefill)
+                own = np.maximum(own, t + (fa - f) * drain)
+        return own
+
+    def last_end(self, up_emitted: dict[float, np.ndarray], m: np.ndarray, exact: bool = True) -> np.ndarray:
+        """When this stage's last item ends, its items arriving on the upstream curve in an order that has
+        nothing to do with their own lengths (a judgement's length does not depend on when its rollout
+        ended).
+
+        The stage ends at max_i (arrival_i + run_i). `after` pairs each arrival window with the longest
+        item it is expected to hold, as if that item came first in its window; so it hardly sees how late
+        the upstream stage runs. Here the expected number of items still running at T (each arrival bin's
+        count times the fraction of lengths that would not be done by T) is E(T), the chance that none is
+        exp(−E(T)) (Poisson), and the expected end is the integral of 1 − exp(−E) over T. Never before the
+        longest item itself, arriving at the mean arrival time: that alone with `exact=False` (cheap, and
+        never above the full value)."""
+        n = max(self.seqs, 1.0)
+        per, conc, _ = self._batch(m)
+        fas = sorted(up_emitted, reverse=True)
+        bins: list[tuple[float, np.ndarray, float]] = []  # (items, arrival time, fraction still to come)
+        prev_f, prev_t = 1.0, np.zeros(np.shape(up_emitted[fas[0]]))
+        for fa in fas:
+            t = np.asarray(up_emitted[fa], dtype=float)
+            bins.append(((prev_f - fa) * n, 0.5 * (prev_t + t), prev_f))
+            prev_f, prev_t = fa, t
+        bins.append((prev_f * n, prev_t, prev_f))
+        longest_run = self.run_with(0.5 * per * self.mean, self.longest, conc)
+        arrival = sum(count * t for count, t, _ in bins) / n
+        longest_end = arrival + self.prefill_s * (1.0 + 0.25 * per) + longest_run
+        if not exact:
+            return longest_end
+        hi = prev_t + self.prefill_s * (1.0 + 0.5 * per) + self.run_with(per * self.mean, self.longest, conc)
+        dt = hi / LAST_END_STEPS
+        end = np.zeros(np.shape(hi))
+        for k in range(LAST_END_STEPS):
+            horizon = (k + 0.5) * dt
+            running = np.zeros(np.shape(hi))
+            for count, t, fa in bins:
+                budget = horizon - t - self.prefill_s * (1.0 + 0.5 * fa * per)
+                done_by = self.max_length_within(budget, fa * per * self.mean, conc)
+                running = running + count * np.where(budget > 0.0, self.longer_than(done_by), 1.0)
+            end = end + (1.0 - np.exp(-running)) * dt
+        return np.maximum(end, longest_end)
+
+    def last_item_s(self) -> float:
+        """An item started alone after its upstream finished (the tail end of the chain)."""
+        one = float(self.step(np.asarray(1.0)))
+        return self.mean * one + self.prefill_s if self.decode else one
+
+    def peak_weight(self) -> float:
+        """Device-seconds per unit of work at full batch."""
+        return self.g * float(self.step(np.asarray(self.cap))) / (self.cap * self.k)
+
+    def work_device_s(self) -> float:
+        """Device-seconds of the stage's whole work at full batch, prefill included."""
+        return self.seqs * (self.mean * self.peak_weight() + self.g * self.prefill_s)
