@@ -270,8 +270,8 @@ def choose(
         t_static = moved_makespan(st, split, placed, t_static)
         if all(placed[r] >= st[r].g for r in PIPELINE):
             # "stay as you are" is a static split too, and it costs no shift: held unless the predicted
-            # split beats it with its moves paid (a cold move into the first stage at an iteration start
-            # made its replicas arrive after most of that stage was done: 0.96 of the held split, seed 37)
+            # split beats it with its moves paid: a cold move into a short first stage arrives after most
+            # of that stage is done (docs/decisions.md, "A first placement is no shift")
             held = {r: np.asarray([float(placed[r] // st[r].g)]) for r in PIPELINE}
             t_held = float(static_makespans(st, held)[0])
             if t_held <= t_static:
