@@ -46,6 +46,7 @@ PRIOR_LONGEST_OVER_MEAN = 4.0
 
 MODES = ("static", "dynamic", "colocated")
 
+
 @dataclass(frozen=True)
 class RoleProfile:
     """One role's measured work in one iteration: finished items, their mean and longest length (tokens),

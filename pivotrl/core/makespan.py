@@ -37,19 +37,18 @@ def static_makespans(
     m_ro, m_rw, m_tr = (np.asarray(reps[r], dtype=float) for r in PIPELINE)
     n = max(ro.seqs, 1.0)
     up = ro.emissions(m_ro)
-    t_rw = np.maximum(rw.after(up, m_rw, 1.0 / n), rw.timing(m_rw)[1])
+    g = max(tr.group, 1)
+    groups = max(n / g, 1.0)
+    fgs = tuple(fg for fg in GROUP_FRACTIONS if fg * groups >= 1.0)   # the fractions holding a group
+    independent = tuple(max(1.0 - (1.0 - fg) ** (1.0 / g), 1.0 / n) for fg in fgs)
+    last, *judged = rw.afters(up, m_rw, (1.0 / n, *fgs, *independent))
+    t_rw = np.maximum(last, rw.timing(m_rw)[1])
     t_rw = np.maximum(t_rw, rw.last_end(up, m_rw, exact=last_end))
     drain_tr, e_tr = tr.timing(m_tr)
     end = np.maximum(e_tr, t_rw + tr.last_item_s())
-    g = max(tr.group, 1)
-    groups = max(n / g, 1.0)
     lag = group_lag(ro, rw, m_ro, m_rw, g)
-    for fg in GROUP_FRACTIONS:
-        if fg * groups < 1.0:
-            break
-        independent = max(1.0 - (1.0 - fg) ** (1.0 / g), 1.0 / n)
-        complete = np.maximum(rw.after(up, m_rw, fg) + lag, rw.after(up, m_rw, independent))
-        end = np.maximum(end, complete + fg * drain_tr)
+    for fg, together, apart in zip(fgs, judged[: len(fgs)], judged[len(fgs):]):
+        end = np.maximum(end, np.maximum(together + lag, apart) + fg * drain_tr)
     return end + tr.sync(m_tr)
 
 

@@ -27,12 +27,14 @@ MEDIAN = TAIL_FRACTIONS.index(0.5)
 #: Time steps of `Stage.last_end`'s integral (its error is under half a step of the stage's span).
 LAST_END_STEPS = 48
 
+
 def tail_lengths(lengths: np.ndarray) -> tuple[float, ...]:
     """The lengths exceeded by each of `TAIL_FRACTIONS` of `lengths` (empty for no lengths)."""
     if lengths.size == 0:
         return ()
     q = np.quantile(lengths, [1.0 - f for f in TAIL_FRACTIONS])
     return tuple(float(x) for x in q)
+
 
 @dataclass(frozen=True)
 class Stage:
@@ -193,17 +195,25 @@ class Stage:
         arriving with it (half of them, on average, go first: a burst of arrivals pauses the replica once
         per prompt). Nor can the fa·n items be done sooner than their share of the drain after their
         arrival begins. Never before its own emission with every item available."""
+        return self.afters(up_emitted, m, (f,))[0]
+
+    def afters(self, up_emitted: dict[float, np.ndarray], m: np.ndarray,
+               fs: tuple[float, ...]) -> list[np.ndarray]:
+        """`after` at each of `fs`, the stage's drain and batch computed once for all of them."""
         drain, _ = self.timing(m)
         per, conc, _ = self._batch(m)
-        own = self._emitted(f, drain, per, conc)
-        for fa, t in up_emitted.items():
-            if fa >= f:
-                length = self.length_at(np.asarray(f / fa))
-                left = fa * per * self.mean
-                prefill = self.prefill_s * (1.0 + 0.5 * fa * per)
-                own = np.maximum(own, t + self.run_with(left, length, conc) + prefill)
-                own = np.maximum(own, t + (fa - f) * drain)
-        return own
+        out = []
+        for f in fs:
+            own = self._emitted(f, drain, per, conc)
+            for fa, t in up_emitted.items():
+                if fa >= f:
+                    length = self.length_at(np.asarray(f / fa))
+                    left = fa * per * self.mean
+                    prefill = self.prefill_s * (1.0 + 0.5 * fa * per)
+                    own = np.maximum(own, t + self.run_with(left, length, conc) + prefill)
+                    own = np.maximum(own, t + (fa - f) * drain)
+            out.append(own)
+        return out
 
     def last_end(self, up_emitted: dict[float, np.ndarray], m: np.ndarray, exact: bool = True) -> np.ndarray:
         """When this stage's last item ends, its items arriving on the upstream curve in an order that has
