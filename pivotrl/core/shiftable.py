@@ -38,6 +38,7 @@ class Shiftable(Policy):
         self.history: list[IterationChoice] = []
         self._colocated = Colocated()
         self._starting = False  # the iteration began and its first placement is not decided yet
+        self.loans: dict[Role, int] = {}  # devices an opening split lent the first stage, by home role
 
     @property
     def mode(self) -> str:
@@ -49,6 +50,7 @@ class Shiftable(Policy):
         profile = last if isinstance(last, IterationProfile) else None
         self.choice = choose(state, costs, profile)
         self._starting = True
+        self.loans = {}
         if self.choice is not None:
             self.history.append(self.choice)
 
@@ -56,6 +58,14 @@ class Shiftable(Policy):
         if self.choice is None:
             return "dynamic", 0.0
         return self.mode, self.choice.predicted_s[self.mode] / max(self.choice.scale, 1e-12)
+
+    def _open(self, state: ClusterState, choice: IterationChoice) -> dict[Role, int]:
+        """The opening split, remembering what it lends the first stage so that it is given back."""
+        assert choice.static_split is not None
+        split = opening_split(state, choice)
+        self.loans = {r: choice.static_split[r] - split[r] for r in PIPELINE[1:]
+                      if choice.static_split.get(r, 0) > split.get(r, 0)}
+        return split
 
     def plan(self, state: ClusterState, costs: ShiftCostModel, now: float) -> ShiftPlan | None:
         if self.initial_split and not state.replicas and state.free_devices():
@@ -96,7 +106,11 @@ class Shiftable(Policy):
             # (docs/decisions.md#third-pass-the-models-misses-on-the-losing-draws-and-where-a-device-starts).
             if short:
                 return self._fill_split(state, choice.static_split, "initial:static")
-            return self._fill_split(state, opening_split(state, choice), "initial:opening")
+            return self._fill_split(state, self._open(state, choice), "initial:opening")
+        if self.loans:
+            back = return_loans(state, self.loans, now, self.choice.static_split if self.choice else None)
+            if back is not None:
+                return back
         result = planner.plan(state, costs, now)
         self.last = result
         if result.chosen is None or result.to_role is None:
@@ -109,6 +123,50 @@ class Shiftable(Policy):
         form = tuple((result.to_role, tuple(devices[i : i + g])) for i in range(0, len(devices) - g + 1, g))
         tau_u = result.reasoning.tau.get(str(result.to_role), 0.0)
         return ShiftPlan(dissolve, form, f"planner:tau[{result.to_role}]={tau_u:.3g}", result.reasoning)
+
+
+def return_loans(state: ClusterState, loans: dict[Role, int], now: float,
+                 split: Mapping[Role, int] | None = None) -> ShiftPlan | None:
+    """Give the devices an opening split lent the first stage back to their home roles once the first stage
+    has nothing left to start (every rollout submitted and dispatched), as soon as a replica holding them is
+    idle and out of its cooldown. Why not leave it to the planner: the home role's work comes in bursts at
+    the iteration's end (the last complete groups), and over the planner's horizon one more replica gains
+    nothing while its replicas keep up, so a lent device came back only when the drain was already waiting
+    (a 6 s train tail on a 14-device draw). A role that already holds its share of `split` (the planner
+    moved devices there itself) is owed nothing more. `loans` is decremented by what is given back."""
+    first = PIPELINE[0]
+    plan = state.plan
+    if len(state.queues[first]) or (plan is not None and state.submitted[first] < plan.rollout_seqs):
+        return None
+    cutoff = now - state.config.cooldown_s
+    idle = [rep for rep in sorted(state.by_role[first].values(), key=lambda r: r.replica_id)
+            if rep.state is ReplicaState.ACTIVE and rep.n == 0
+            and all(state.device_shifted_at.get(d, -1e18) <= cutoff for d in rep.devices)]
+    if not idle:
+        return None
+    dissolve: list[str] = []
+    devices: list[str] = []
+    form: list[tuple[Role, tuple[str, ...]]] = []
+    for role in PIPELINE[1:]:
+        g = state.config.devices_per_replica(role)
+        if split is not None:
+            held = sum(len(r.devices) for r in state.by_role[role].values())
+            loans[role] = min(loans.get(role, 0), max(split.get(role, 0) - held, 0))
+        while loans.get(role, 0) >= g:
+            while len(devices) < g and idle:
+                rep = idle.pop(0)
+                dissolve.append(rep.replica_id)
+                devices.extend(rep.devices)
+            if len(devices) < g:
+                break
+            form.append((role, tuple(devices[:g])))
+            devices = devices[g:]
+            loans[role] -= g
+    for role in [r for r, k in loans.items() if k < state.config.devices_per_replica(r)]:
+        del loans[role]
+    if not form:
+        return None
+    return ShiftPlan(tuple(dissolve), tuple(form), "loan:return")
 
 
 def opening_split(state: ClusterState, choice: IterationChoice) -> dict[Role, int]:

@@ -31,13 +31,13 @@ from pivotrl.core.makespan import (
     ranked,
     static_makespans,
 )
-from pivotrl.core.shiftable import Shiftable, opening_split, toward_split
+from pivotrl.core.shiftable import Shiftable, opening_split, return_loans, toward_split
 from pivotrl.core.shiftcost import ShiftCostModel
 from pivotrl.core.stage import LAST_END_STEPS, MEDIAN, TAIL_FRACTIONS, Stage, tail_lengths
 from pivotrl.core.state import ClusterState
 from pivotrl.core.types import PIPELINE, ControllerConfig, ReplicaState
 
-from .helpers import config, ready, seq
+from .helpers import active_state, config, ready, seq
 
 FEW = settings(max_examples=200, derandomize=True, deadline=None)
 
@@ -412,6 +412,89 @@ def test_a_long_first_stage_opens_on_the_split_less_the_late_roles_share() -> No
     assert dec is not None and dec.stimulus == "initial:opening"
     placed = {r: sum(len(s.devices) for s in dec.shifts if s.to_role is r) for r in PIPELINE}
     assert placed == {Role.ROLLOUT: 5, Role.REWARD: 2, Role.TRAIN: 1}
+
+
+def test_lent_devices_go_home_once_the_first_stage_has_nothing_left_to_start() -> None:
+    """The opening lends three of train's four devices to the first stage. While rollouts are still to be
+    dispatched, and while a lent replica is in its cooldown, they stay; once every rollout is dispatched,
+    the idle rollout replicas go back to train, and the one still decoding is left alone."""
+    roles = {r: RoleSpec(max_seqs=64, kv_tokens=10**6) for r in PIPELINE}
+    ctl = Controller(policy := Shiftable(), devices=[f"d{i}" for i in range(8)],
+                     config=ControllerConfig(roles=roles, cooldown_s=1.0))
+    ctl.begin_iteration(IterationPlan(0, rollout_seqs=8, group_size=4, rollout_tokens_per_seq=8), 0.0)
+    assert policy.choice is not None
+    policy.choice = dataclasses.replace(policy.choice, static_split={Role.ROLLOUT: 2, Role.REWARD: 2,
+                                                                     Role.TRAIN: 4},
+                                        first_stage_alone_s=100.0, handoff_s=1.0,
+                                        first_work_s={Role.REWARD: 0.5, Role.TRAIN: 50.0})
+    dec = ctl.tick(0.0)
+    assert dec is not None and dec.stimulus == "initial:opening"
+    assert policy.loans == {Role.TRAIN: 3}
+    ready(ctl, 0.0)
+    ctl.submit([seq(i, max_new=8) for i in range(4)], 0.0)
+    ctl.dispatch(0.0)
+    assert (d := ctl.tick(2.0)) is None or d.stimulus != "loan:return"   # 4 of 8 rollouts not submitted
+    ctl.submit([seq(i, max_new=8) for i in range(4, 8)], 2.0)
+    ctl.dispatch(2.0)
+    running = [sid for r in ctl.state.replicas.values() if r.role is Role.ROLLOUT for sid in r.running]
+    assert sorted(running) == sorted(f"s{i}" for i in range(8))
+    for sid in running:
+        if sid != "s7":
+            ctl.on_finished(sid, 3.0, generated=8)
+    still = next(r.replica_id for r in ctl.state.replicas.values() if "s7" in r.running)
+    dec = ctl.tick(3.0)
+    assert dec is not None and dec.stimulus == "loan:return"
+    assert still not in dec.dissolved and not dec.aborts
+    back = sum(len(s.devices) for s in dec.shifts if s.to_role is Role.TRAIN)
+    assert 1 <= back <= 3 and policy.loans.get(Role.TRAIN, 0) == 3 - back
+
+
+@FEW
+@given(running=st.lists(st.integers(0, 2), min_size=1, max_size=8), shifted=st.lists(st.floats(0, 20),
+       min_size=8, max_size=8), lent=st.tuples(st.integers(0, 9), st.integers(0, 9)),
+       gs=st.tuples(st.integers(1, 3), st.integers(1, 3)), queued=st.booleans(), now=st.floats(0, 30),
+       share=st.none() | st.tuples(st.integers(0, 9), st.integers(0, 9)))
+def test_return_loans_gives_back_only_idle_cooled_replicas_and_no_more_than_lent(
+        running: list[int], shifted: list[float], lent: tuple[int, int], gs: tuple[int, int], queued: bool,
+        now: float, share: tuple[int, int] | None) -> None:
+    """Whatever the state: nothing moves while the first stage has work to start; a dissolved replica was
+    idle and out of its cooldown; each home role gets whole replicas, never more than it lent; the loans
+    shrink by exactly what was given back; with the split's shares given, no role is filled past its share."""
+    roles = {Role.ROLLOUT: RoleSpec(devices_per_replica=1, max_seqs=8, kv_tokens=4000),
+             Role.REWARD: RoleSpec(devices_per_replica=gs[0], max_seqs=8, kv_tokens=4000),
+             Role.TRAIN: RoleSpec(devices_per_replica=gs[1], max_seqs=4, kv_tokens=8000)}
+    stt = active_state(config(roles=roles, cooldown_s=10.0), {Role.ROLLOUT: len(running)})
+    reps = sorted(stt.by_role[Role.ROLLOUT].values(), key=lambda r: r.replica_id)
+    k = 0
+    for rep, n, t in zip(reps, running, shifted):
+        stt.device_shifted_at[rep.devices[0]] = t
+        for _ in range(n):
+            s = seq(k)
+            stt.admit(s, now)
+            stt.queues[Role.ROLLOUT].remove(s.seq_id)
+            stt.start(s, rep)
+            k += 1
+    if queued:
+        stt.admit(seq("waiting"), now)
+    loans = {r: x for r, x in zip(PIPELINE[1:], lent) if x}
+    before = dict(loans)
+    split = None if share is None else dict(zip(PIPELINE[1:], share))
+    out = return_loans(stt, loans, now, split)
+    if queued or out is None:
+        assert out is None or not queued
+        return
+    for rid in out.dissolve:
+        rep = stt.replicas[rid]
+        assert rep.n == 0 and stt.device_shifted_at[rep.devices[0]] <= now - 10.0
+    freed = {d for rid in out.dissolve for d in stt.replicas[rid].devices}
+    for role, g in zip(PIPELINE[1:], gs):
+        given = [devs for r, devs in out.form if r is role]
+        assert all(len(devs) == g for devs in given)
+        assert len(given) * g <= before.get(role, 0)
+        assert split is None or len(given) * g <= split[role]
+        owed = before.get(role, 0) if split is None else min(before.get(role, 0), split[role])
+        assert loans.get(role, 0) == owed - len(given) * g or loans.get(role, 0) < g
+    assert {d for _, devs in out.form for d in devs} <= freed
 
 
 def tailed(stage: Stage, spread: float) -> Stage:
