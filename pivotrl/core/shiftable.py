@@ -15,10 +15,10 @@ from collections.abc import Mapping
 
 from pivotrl.core import planner
 from pivotrl.core.iteration import IterationChoice, IterationProfile, choose
-from pivotrl.core.policies import Colocated, Policy, ShiftPlan
+from pivotrl.core.policies import Colocated, Policy, ShiftPlan, unsubmitted_rollouts
 from pivotrl.core.shiftcost import ShiftCostModel
 from pivotrl.core.state import ClusterState
-from pivotrl.core.types import PIPELINE, ReplicaState, Role
+from pivotrl.core.types import PIPELINE, Replica, ReplicaState, Role
 
 
 class Shiftable(Policy):
@@ -135,13 +135,11 @@ def return_loans(state: ClusterState, loans: dict[Role, int], now: float,
     (a 6 s train tail on a 14-device draw). A role that already holds its share of `split` (the planner
     moved devices there itself) is owed nothing more. `loans` is decremented by what is given back."""
     first = PIPELINE[0]
-    plan = state.plan
-    if len(state.queues[first]) or (plan is not None and state.submitted[first] < plan.rollout_seqs):
+    if len(state.queues[first]) or unsubmitted_rollouts(state, first):
         return None
     cutoff = now - state.config.cooldown_s
     idle = [rep for rep in sorted(state.by_role[first].values(), key=lambda r: r.replica_id)
-            if rep.state is ReplicaState.ACTIVE and rep.n == 0
-            and all(state.device_shifted_at.get(d, -1e18) <= cutoff for d in rep.devices)]
+            if idle_and_settled(state, rep, cutoff)]
     if not idle:
         return None
     dissolve: list[str] = []
@@ -167,6 +165,12 @@ def return_loans(state: ClusterState, loans: dict[Role, int], now: float,
     if not form:
         return None
     return ShiftPlan(tuple(dissolve), tuple(form), "loan:return")
+
+
+def idle_and_settled(state: ClusterState, rep: Replica, cutoff: float) -> bool:
+    """`rep` is active, serves nothing, and none of its devices moved after `cutoff` (out of cooldown)."""
+    return rep.state is ReplicaState.ACTIVE and rep.n == 0 and all(
+        state.device_shifted_at.get(d, -1e18) <= cutoff for d in rep.devices)
 
 
 def opening_split(state: ClusterState, choice: IterationChoice) -> dict[Role, int]:
@@ -246,9 +250,7 @@ def serve_starving(state: ClusterState, now: float) -> ShiftPlan | None:
             if other is role or state.queues[other]:
                 continue
             for rep in sorted(state.by_role[other].values(), key=lambda r: r.replica_id):
-                if rep.state is ReplicaState.ACTIVE and rep.n == 0 and all(
-                    state.device_shifted_at.get(d, -1e18) <= cutoff for d in rep.devices
-                ):
+                if idle_and_settled(state, rep, cutoff):
                     dissolve.append(rep.replica_id)
                     idle.extend(rep.devices)
                 if len(idle) >= g:
