@@ -83,17 +83,22 @@ class Shiftable(Policy):
             and choice.static_split is not None
             and choice.first_stage_alone_s <= state.config.cooldown_s + choice.handoff_s
         )
-        if short and starting and state.replicas and choice is not None and choice.static_split is not None:
+        if (starting and state.replicas and choice is not None and choice.static_split is not None
+                and (short or choice.split_beats_planner())):
             # A later iteration's start, same reasoning as the first placement below: the first stage alone
             # would be done before devices sent there could come back, so rather than the planner sending
             # every idle device to the first stage (and back, cold), the allocation moves only as far as
             # the predicted-best static split needs (docs/decisions.md#every-iteration-starts-like-the-first).
+            # A long first stage moves to the opening split (below) instead, where that split is predicted
+            # faster than the planner did last time (docs/decisions.md, "a judge stage that lags ...").
             if any(r.state is ReplicaState.SHIFTING for r in state.replicas.values()):
                 self._starting = True  # wait for the shifts in flight; decide on a settled allocation
                 return None
-            moved = toward_split(state, choice.static_split)
+            target = choice.static_split if short else self._open(state, choice)
+            moved = toward_split(state, target)
             if moved is not None:
-                return ShiftPlan(moved.dissolve, moved.form, "iteration:start-static")
+                return ShiftPlan(moved.dissolve, moved.form,
+                                 "iteration:start-static" if short else "iteration:start-opening")
         if not state.replicas and choice is not None and choice.static_split is not None:
             # Dynamic, first placement. Placing a free device costs nothing, but a placed device may not move
             # for `cooldown_s` and then needs a shift to reach a downstream role: where the first stage alone

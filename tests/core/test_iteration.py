@@ -618,3 +618,109 @@ def test_a_move_costs_its_shift_and_never_pays_for_itself(
         gone = {r: np.asarray([max(float(split[i] - max(split[i] - placed[i], 0)), 1e-3)])
                 for i, r in enumerate(PIPELINE)}
         assert t_slow == pytest.approx(max(t_split, float(static_makespans(slow, gone)[0])), rel=1e-9)
+
+
+def fifo_starts(arrivals: list[float], slots: int, sojourn: float) -> list[float]:
+    """A reference queue: `slots` servers, first come first served, every item held `sojourn` seconds."""
+    starts: list[float] = []
+    for i, t in enumerate(arrivals):
+        starts.append(max(t, starts[i - slots] + sojourn) if i >= slots else t)
+    return starts
+
+
+@FEW
+@given(m=st.integers(1, 6), cap=st.integers(1, 8), per_slot=st.integers(1, 6), mean=st.floats(1, 400),
+       gaps=st.lists(st.floats(0.0, 5.0), min_size=3, max_size=8))
+def test_admitted_is_a_first_come_first_served_queue_of_whole_rounds(
+        m: int, cap: int, per_slot: int, mean: float, gaps: list[float]) -> None:
+    """`Stage.admitted` against a discrete queue: items arrive along the upstream points (linear between
+    them), the stage's m·cap slots each hold an item for its sojourn (mean tokens at the full batch's step;
+    no prefill here), so the N-th item starts on arrival or one sojourn after the (N − slots)-th started.
+    Within `ADMISSION_ROUNDS` rounds the two agree at every point; never before arrival; and with a slot
+    for every item nothing waits."""
+    from pivotrl.core.stage import ADMISSION_ROUNDS
+
+    n = m * cap * per_slot
+    s = Stage(Role.REWARD, 1, float(n), mean, mean, 0.01, 1e-4, 1.0, float(cap), 0.0, True)
+    fas = [f for f in TAIL_FRACTIONS if f * n > 1.0][: len(gaps)]
+    if not fas:
+        return
+    times = np.cumsum(gaps[: len(fas)])
+    up = {fa: np.asarray(float(t)) for fa, t in zip(fas, times)}
+    got = s.admitted(up, np.asarray(float(m)), np.asarray(float(cap)))
+    counts = [0.0] + [(1.0 - fa) * n for fa in fas]
+    knots = [0.0, *times]
+
+    def arrival(i: float) -> float:
+        return float(np.interp(i, counts, knots))
+
+    sojourn = mean * float(s.step(np.asarray(float(cap))))
+    last = int(counts[-1])
+    ref = fifo_starts([arrival(i) for i in range(last + 1)], m * cap, sojourn)
+    for fa, c in zip(fas, counts[1:]):
+        assert float(got[fa]) >= float(up[fa]) - 1e-9
+        if c == int(c) and c / (m * cap) <= ADMISSION_ROUNDS + 1:
+            assert float(got[fa]) == pytest.approx(ref[int(c)], rel=1e-9, abs=1e-9)
+    roomy = s.admitted(up, np.asarray(float(m)), np.asarray(float(n)))   # a slot for every item
+    for fa in fas:
+        assert float(roomy[fa]) == pytest.approx(float(up[fa]))
+
+
+def test_a_saturated_judge_stage_ends_its_late_items_after_their_wait() -> None:
+    """A judge stage that lags its rollouts: the items arriving last wait whole rounds of slots, so the
+    stage's last item ends later than pricing each item from its arrival said (random draw 48)."""
+    n = 6144.0
+    rng = np.random.default_rng(0)
+    responses, critiques = rng.lognormal(np.log(444.0), 0.53, 6144), rng.lognormal(np.log(418.0), 0.35, 6144)
+    ro = Stage(Role.ROLLOUT, 1, n, float(responses.mean()), float(responses.max()), 0.0054, 2.9e-5, 1.0,
+               256.0, 0.3, True, 0.0067, tail_lengths(responses))
+    rw = Stage(Role.REWARD, 4, n, float(critiques.mean()), float(critiques.max()), 0.0092, 1.7e-5, 1.0,
+               256.0, 0.5, True, 0.0053, tail_lengths(critiques))
+    m_ro, m_rw = np.asarray(19.0), np.asarray(9.0)
+    up = ro.emissions(m_ro)
+    starts = rw.admitted(up, m_rw, np.asarray(256.0))
+    waits = {fa: float(starts[fa] - up[fa]) for fa in up}
+    assert max(waits.values()) > 3.0   # 9 x 256 slots for 6,144 items arriving over ~20 s
+    assert min(waits.values()) == 0.0   # the first arrivals start at once
+    roomy = rw.admitted(up, np.asarray(30.0), np.asarray(256.0))   # 7,680 slots: nothing waits
+    assert all(float(roomy[fa]) == pytest.approx(float(up[fa])) for fa in up)
+
+
+def test_the_split_beats_the_planner_only_by_the_planners_measured_record() -> None:
+    """`split_beats_planner`: the static prediction unscaled against the dynamic one scaled by what the
+    planner took last time over its prediction."""
+    def choice(static: float, dynamic: float, scale: float) -> IterationChoice:
+        return IterationChoice("dynamic", {"static": static * scale, "dynamic": dynamic * scale,
+                                           "colocated": 1e9}, {r: 1 for r in PIPELINE}, scale)
+
+    assert not choice(110.0, 100.0, 1.0).split_beats_planner()
+    assert choice(110.0, 100.0, 1.2).split_beats_planner()     # the planner took 1.2x its bound
+    assert not choice(130.0, 100.0, 1.2).split_beats_planner()
+
+
+def test_a_later_iteration_opens_on_the_split_when_it_beats_the_planners_record() -> None:
+    """A long first stage at a later start: the allocation moves toward the opening split when the static
+    split's prediction beats the planner's measured record, and is left to the planner when it does not."""
+    for beats in (True, False):
+        cfg = ControllerConfig(roles={r: RoleSpec(max_seqs=64, kv_tokens=10**6) for r in PIPELINE},
+                               cooldown_s=0.0)
+        policy = Shiftable()
+        ctl = Controller(policy, devices=[f"d{i}" for i in range(6)], config=cfg)
+        for i in range(6):
+            ctl.request_shift(f"d{i}", Role.TRAIN, 0.0)
+        ready(ctl, 1.0)
+        ctl.begin_iteration(IterationPlan(1, rollout_seqs=48, group_size=4, rollout_tokens_per_seq=8), 2.0)
+        choice = policy.choice
+        assert choice is not None and choice.static_split is not None
+        dyn = choice.predicted_s["static"] / choice.scale * (1.5 if beats else 0.5)
+        policy.choice = dataclasses.replace(choice, first_stage_alone_s=1e9,   # long, not short
+                                            predicted_s={**choice.predicted_s, "dynamic": dyn})
+        dec = ctl.tick(2.0)
+        if beats:
+            assert dec is not None and dec.stimulus == "iteration:start-opening"
+            target = opening_split(ctl.state, policy.choice)
+            moved = {r: sum(len(s.devices) for s in dec.shifts if s.to_role is r) for r in PIPELINE}
+            for r in PIPELINE[:2]:
+                assert moved[r] == target[r]
+        else:
+            assert dec is None or dec.stimulus != "iteration:start-opening"
