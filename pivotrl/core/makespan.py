@@ -28,11 +28,8 @@ def static_makespans(
     together, `group_lag` after their typical member, i.e. a lag after fg of the judgements remain; or
     members end independently, and a group is complete once all G are, i.e. when only 1 − (1 − fg)^(1/G)
     of the judgements remain (with long-tailed judgements nearly every large group waits for one of the
-    last). The second view holds for the rollouts that start at once; members that start from the queue
-    start together, at their group's place in it, so that share of the spread between the views is not
-    theirs (a 16-member group on 2 rollout replicas for 2,448 items: the split predicted 12 % slow and
-    not picked, random draw 29). Train then still has fg of its work to drain. Train ends with the
-    latest of those, its own drain, and one step after the last judgement; then it syncs (`Stage.sync`).
+    last). Train then still has fg of its work to drain. Train ends with the latest of those, its own
+    drain, and one step after the last judgement; then it syncs (`Stage.sync`).
 
     `last_end=False` takes only the cheap part of `Stage.last_end`: never above the full prediction, so
     it bounds a search from below (`best_static`)."""
@@ -50,11 +47,8 @@ def static_makespans(
     drain_tr, e_tr = tr.timing(m_tr)
     end = np.maximum(e_tr, t_rw + tr.last_item_s())
     lag = group_lag(ro, rw, m_ro, m_rw, g)
-    per, conc, _ = ro._batch(m_ro)
-    alone = np.minimum(conc / per, 1.0)  # the share of rollouts that start at once, not from the queue
     for fg, together, apart in zip(fgs, judged[: len(fgs)], judged[len(fgs):]):
-        view = together + lag + alone * np.maximum(apart - together - lag, 0.0)
-        end = np.maximum(end, view + fg * drain_tr)
+        end = np.maximum(end, np.maximum(together + lag, apart) + fg * drain_tr)
     return end + tr.sync(m_tr)
 
 
