@@ -243,7 +243,7 @@ class IterationChoice:
         """The static split's own prediction is below the tick planner's once the planner's measured record
         is applied to it: `scale` is what the last iteration took over what its plan was predicted (the
         planner's, as it ran), and the dynamic prediction is a fluid bound the planner reached only
-        1/1.2–1/2.7 of on the random draws, while the static model picks a split within a few percent
+        1/1.17–1/2.7 of on the random draws, while the static model picks a split within a few percent
         of the best one simulated. One shared scale hides that difference."""
         return self.predicted_s["static"] / max(self.scale, 1e-12) < self.predicted_s["dynamic"]
 

@@ -273,7 +273,7 @@ class Stage:
         the upstream stage runs. Here the expected number of items still running at T (each arrival bin's
         count times the fraction of lengths that would not be done by T) is E(T), the chance that none is
         exp(−E(T)) (Poisson), and the expected end is the integral of 1 − exp(−E) over T. Never before the
-        longest item itself, arriving at the mean arrival time: that alone with `exact=False` (cheap, and
+        longest item itself, starting at the mean start time: that alone with `exact=False` (cheap, and
         never above the full value)."""
         n = max(self.seqs, 1.0)
         per, conc, _ = self._batch(m)
