@@ -41,9 +41,10 @@ def static_makespans(
     groups = max(n / g, 1.0)
     fgs = tuple(fg for fg in GROUP_FRACTIONS if fg * groups >= 1.0)   # the fractions holding a group
     independent = tuple(max(1.0 - (1.0 - fg) ** (1.0 / g), 1.0 / n) for fg in fgs)
-    last, *judged = rw.afters(up, m_rw, (1.0 / n, *fgs, *independent))
+    starts = rw.admitted(up, m_rw)  # when the judgements can start: both of the next two price from it
+    last, *judged = rw.afters(up, m_rw, (1.0 / n, *fgs, *independent), starts)
     t_rw = np.maximum(last, rw.timing(m_rw)[1])
-    t_rw = np.maximum(t_rw, rw.last_end(up, m_rw, exact=last_end))
+    t_rw = np.maximum(t_rw, rw.last_end(up, m_rw, exact=last_end, starts=starts))
     drain_tr, e_tr = tr.timing(m_tr)
     end = np.maximum(e_tr, t_rw + tr.last_item_s())
     lag = group_lag(ro, rw, m_ro, m_rw, g)

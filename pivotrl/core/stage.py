@@ -212,11 +212,13 @@ class Stage:
         return self.afters(up_emitted, m, (f,))[0]
 
     def afters(self, up_emitted: dict[float, np.ndarray], m: np.ndarray,
-               fs: tuple[float, ...]) -> list[np.ndarray]:
-        """`after` at each of `fs`, the stage's drain and batch computed once for all of them."""
+               fs: tuple[float, ...], starts: dict[float, np.ndarray] | None = None) -> list[np.ndarray]:
+        """`after` at each of `fs`, the stage's drain and batch computed once for all of them; `starts` is
+        `admitted(up_emitted, m)` when the caller has it already."""
         drain, _ = self.timing(m)
         per, conc, _ = self._batch(m)
-        starts = self.admitted(up_emitted, m, conc)
+        if starts is None:
+            starts = self.admitted(up_emitted, m)
         out = []
         for f in fs:
             own = self._emitted(f, drain, per, conc)
@@ -230,8 +232,7 @@ class Stage:
             out.append(own)
         return out
 
-    def admitted(self, up_emitted: dict[float, np.ndarray], m: np.ndarray,
-                 conc: np.ndarray) -> dict[float, np.ndarray]:
+    def admitted(self, up_emitted: dict[float, np.ndarray], m: np.ndarray) -> dict[float, np.ndarray]:
         """When the items arriving as all but a fraction fa of the upstream's have ended can start: on
         arrival, or, where the stage is the bottleneck, once a slot frees.
 
@@ -244,6 +245,7 @@ class Stage:
         four-device judge replicas: items arriving at 13 s start at 20 s, two rounds after the items
         that arrived at 5 s)."""
         n = max(self.seqs, 1.0)
+        _, conc, _ = self._batch(m)
         m = np.maximum(np.asarray(m, dtype=float), 1e-12)
         fas = sorted(up_emitted, reverse=True)
         shape = np.broadcast(m, *(np.asarray(up_emitted[fa]) for fa in fas)).shape
@@ -255,14 +257,16 @@ class Stage:
         for i, fa in enumerate(fas, start=1):
             start = times[i]
             rounds = np.floor(counts[i] / slots)
-            for k in (*range(1, ADMISSION_ROUNDS + 1), None):
+            deepest = min(ADMISSION_ROUNDS, int(np.max(rounds)))  # past it every k repeats k = rounds
+            for k in (*range(1, deepest + 1), None):
                 kk = rounds if k is None else np.minimum(float(k), rounds)
                 earlier = counts[i] - kk * slots
                 start = np.maximum(start, arrived_at(counts, times, earlier) + kk * sojourn)
             out[fa] = start
         return out
 
-    def last_end(self, up_emitted: dict[float, np.ndarray], m: np.ndarray, exact: bool = True) -> np.ndarray:
+    def last_end(self, up_emitted: dict[float, np.ndarray], m: np.ndarray, exact: bool = True,
+                 starts: dict[float, np.ndarray] | None = None) -> np.ndarray:
         """When this stage's last item ends, its items arriving on the upstream curve in an order that has
         nothing to do with their own lengths (a judgement's length does not depend on when its rollout
         ended).
@@ -274,10 +278,11 @@ class Stage:
         count times the fraction of lengths that would not be done by T) is E(T), the chance that none is
         exp(−E(T)) (Poisson), and the expected end is the integral of 1 − exp(−E) over T. Never before the
         longest item itself, starting at the mean start time: that alone with `exact=False` (cheap, and
-        never above the full value)."""
+        never above the full value). `starts`: `admitted(up_emitted, m)` when the caller has it."""
         n = max(self.seqs, 1.0)
         per, conc, _ = self._batch(m)
-        starts = self.admitted(up_emitted, m, conc)
+        if starts is None:
+            starts = self.admitted(up_emitted, m)
         fas = sorted(starts, reverse=True)
         bins: list[tuple[float, np.ndarray, float]] = []  # (items, start time, fraction still to come)
         prev_f, prev_t = 1.0, np.zeros(np.shape(starts[fas[0]]))

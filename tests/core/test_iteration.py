@@ -246,17 +246,23 @@ def test_fewer_items_left_is_later(stg: dict[Role, Stage], m: int, fs: list[floa
         1 + 1e-9) + 1e-9
 
 
-def test_a_later_iteration_starts_on_the_static_split_when_the_first_stage_is_short() -> None:
-    """At a later iteration's start, with the first stage alone shorter than a cooldown plus a shift, the
-    allocation moves toward the predicted split (not every device to the first stage and back)."""
+def later_start_on_train(policy: Shiftable) -> Controller:
+    """Six devices that the end of an iteration left on train, and the next iteration begun at t = 2."""
     cfg = ControllerConfig(roles={r: RoleSpec(max_seqs=64, kv_tokens=10**6) for r in PIPELINE},
                            cooldown_s=0.0)
-    policy = Shiftable()
     ctl = Controller(policy, devices=[f"d{i}" for i in range(6)], config=cfg)
-    for i in range(6):   # the end of an iteration left every device on train
+    for i in range(6):
         ctl.request_shift(f"d{i}", Role.TRAIN, 0.0)
     ready(ctl, 1.0)
     ctl.begin_iteration(IterationPlan(1, rollout_seqs=48, group_size=4, rollout_tokens_per_seq=8), 2.0)
+    return ctl
+
+
+def test_a_later_iteration_starts_on_the_static_split_when_the_first_stage_is_short() -> None:
+    """At a later iteration's start, with the first stage alone shorter than a cooldown plus a shift, the
+    allocation moves toward the predicted split (not every device to the first stage and back)."""
+    policy = Shiftable()
+    ctl = later_start_on_train(policy)
     choice = policy.choice
     assert choice is not None and choice.static_split is not None
     policy.choice = dataclasses.replace(choice, first_stage_alone_s=0.0)   # short, whatever was predicted
@@ -652,7 +658,7 @@ def test_admitted_is_a_first_come_first_served_queue_of_whole_rounds(
         return
     times = np.cumsum(gaps[: len(fas)])
     up = {fa: np.asarray(float(t)) for fa, t in zip(fas, times)}
-    got = s.admitted(up, np.asarray(float(m)), np.asarray(float(cap)))
+    got = s.admitted(up, np.asarray(float(m)))
     counts = [0.0] + [(1.0 - fa) * n for fa in fas]
     knots = [0.0, *times]
 
@@ -666,7 +672,7 @@ def test_admitted_is_a_first_come_first_served_queue_of_whole_rounds(
         assert float(got[fa]) >= float(up[fa]) - 1e-9
         if c == int(c) and c / (m * cap) <= ADMISSION_ROUNDS + 1:
             assert float(got[fa]) == pytest.approx(ref[int(c)], rel=1e-9, abs=1e-9)
-    roomy = s.admitted(up, np.asarray(float(m)), np.asarray(float(n)))   # a slot for every item
+    roomy = dataclasses.replace(s, cap=float(n)).admitted(up, np.asarray(float(m)))   # a slot for each
     for fa in fas:
         assert float(roomy[fa]) == pytest.approx(float(up[fa]))
 
@@ -683,11 +689,11 @@ def test_a_saturated_judge_stage_ends_its_late_items_after_their_wait() -> None:
                256.0, 0.5, True, 0.0053, tail_lengths(critiques))
     m_ro, m_rw = np.asarray(19.0), np.asarray(9.0)
     up = ro.emissions(m_ro)
-    starts = rw.admitted(up, m_rw, np.asarray(256.0))
+    starts = rw.admitted(up, m_rw)
     waits = {fa: float(starts[fa] - up[fa]) for fa in up}
     assert max(waits.values()) > 3.0   # 9 x 256 slots for 6,144 items arriving over ~20 s
     assert min(waits.values()) == 0.0   # the first arrivals start at once
-    roomy = rw.admitted(up, np.asarray(30.0), np.asarray(256.0))   # 7,680 slots: nothing waits
+    roomy = rw.admitted(up, np.asarray(30.0))   # 205 items a replica, all in its slots: none waits
     assert all(float(roomy[fa]) == pytest.approx(float(up[fa])) for fa in up)
 
 
@@ -707,14 +713,8 @@ def test_a_later_iteration_opens_on_the_split_when_it_beats_the_planners_record(
     """A long first stage at a later start: the allocation moves toward the opening split when the static
     split's prediction beats the planner's measured record, and is left to the planner when it does not."""
     for beats in (True, False):
-        cfg = ControllerConfig(roles={r: RoleSpec(max_seqs=64, kv_tokens=10**6) for r in PIPELINE},
-                               cooldown_s=0.0)
         policy = Shiftable()
-        ctl = Controller(policy, devices=[f"d{i}" for i in range(6)], config=cfg)
-        for i in range(6):
-            ctl.request_shift(f"d{i}", Role.TRAIN, 0.0)
-        ready(ctl, 1.0)
-        ctl.begin_iteration(IterationPlan(1, rollout_seqs=48, group_size=4, rollout_tokens_per_seq=8), 2.0)
+        ctl = later_start_on_train(policy)
         choice = policy.choice
         assert choice is not None and choice.static_split is not None
         dyn = choice.predicted_s["static"] / choice.scale * (1.5 if beats else 0.5)
