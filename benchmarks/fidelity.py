@@ -8,9 +8,10 @@ shiftable on-policy and with `run.max_staleness: 1`). The profile is read off th
 is typed in: the sequences' lengths (every sample's prompt, response, judge prompt and critique), core's own
 fitted step-time line per role (`Controller.snapshot()["step_fits"]`), training tokens/s per device (train
 busy seconds over trained tokens), the measured shift time into each role, the driver's barrier
-(optimizer step + publish) and each rollout device's weight sync per iteration. The simulator then runs each
-configuration with that profile. Both sides are measured the same way: the median over measured iterations of
-an iteration's seconds (with staleness, the time since the previous iteration completed), and tokens/s per
+(optimizer step + publish), the control plane's part of it (from the last train item to the next
+iteration's first request, less that step) and each rollout device's weight sync per iteration. The
+simulator then runs each configuration with that profile. Both sides are measured the same way: the median
+over measured iterations of the time from one iteration's completion to the next's, and tokens/s per
 device is the real run's mean tokens per iteration over it. `max_abs_error` is the largest
 |sim / real − 1| over the paradigms; printed last.
 """
@@ -35,7 +36,10 @@ ROLES = ("rollout", "reward", "train")
 
 def measured(res: Any) -> dict[str, Any]:
     rows = res.iterations[WARMUP:]
-    secs = [float(r["seconds"]) for r in rows]
+    # completion to completion, as the simulator's side: an iteration's own `seconds` start after the
+    # driver's bookkeeping of the one before, which is part of the barrier between them
+    secs = [float(b["elapsed_s"]) - float(a["elapsed_s"])
+            for a, b in itertools.pairwise(res.iterations[WARMUP - 1:])]
     tokens = [r["tokens_rollout"] + r["tokens_reward"] + r["tokens_train"] for r in rows]
     dev = {k: statistics.mean(sum(d.get(k, 0.0) for d in r["device_time"].values()) for r in rows)
            for k in ("rollout", "reward", "train", "flush", "shifting", "sync", "idle")}
@@ -45,8 +49,19 @@ def measured(res: Any) -> dict[str, Any]:
             "tokens_per_s_per_device": statistics.mean(tokens) / statistics.median(secs) / res.devices}
 
 
-def profile(cfg: Any, runs: dict[str, Any]) -> dict[str, Any]:
-    """A simulator config (plain data) of the workload, every cost read off the runs."""
+def control_s(runs: list[Any]) -> float:
+    """The barrier's control-plane part: each on-policy iteration's `barrier_before_s` (the previous one's
+    last train item to this one's first request, on the scheduler's clock) less the driver's optimizer step
+    inside it (the previous iteration's `train_apply_s`), the median over the runs' measured iterations."""
+    gaps = [float(r["barrier_before_s"]) - float(prev.get("train_apply_s", 0.0))
+            for res in runs for prev, r in itertools.pairwise(res.iterations[WARMUP - 1:])
+            if "barrier_before_s" in r]
+    return max(0.0, statistics.median(gaps)) if gaps else 0.0
+
+
+def profile(cfg: Any, runs: dict[str, Any], onpolicy: list[str]) -> dict[str, Any]:
+    """A simulator config (plain data) of the workload, every cost read off the runs (the barrier's
+    control-plane part off the on-policy ones: with staleness the next iteration starts before it)."""
     rows = [r for res in runs.values() for r in res.iterations[WARMUP:]]
     lens: dict[str, list[int]] = {k: [] for k in ("prompt", "response", "judge_prompt", "judge")}
     for r in rows:
@@ -107,6 +122,7 @@ def profile(cfg: Any, runs: dict[str, Any]) -> dict[str, Any]:
             # the measured barrier is the whole owner's step: the simulator models the same owner
             "iteration": {"optimizer_step_s": statistics.median(barrier) if barrier else 0.0,
                           "weight_sync_s": statistics.median(sync) if sync else 0.0,
+                          "control_s": control_s([runs[name] for name in onpolicy]),
                           "optimizer_owner": cfg.train.optimizer_owner},
         },
         "scheduler": {"tick_s": sc.tick_s, "horizon_s": sc.horizon_s, "hysteresis": sc.hysteresis,
@@ -157,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         runs[name] = run_config(cfg, mode, groups, k)
         tps = measured(runs[name])["tokens_per_s_per_device"]
         print(f"real {name:<32} {tps:8.1f} tok/s/device", flush=True)
-    prof = profile(cfg, runs)
+    prof = profile(cfg, runs, [name for name, _m, _g, k in configs if k == 0])
     out: dict[str, Any] = {"profile": {k: v for k, v in prof["cost"].items()}, "sim_config": prof,
                            "paradigms": {}}
     for name, _mode, groups, k in configs:

@@ -220,14 +220,15 @@ class IterationRun:
 
 def drive(session: Any, runs: list[IterationRun], poll_s: float, on_poll=None) -> Collected:
     """One round: submit what the runs want, flush where due, collect once and route the output to the run
-    each result belongs to. Sleeps `poll_s` only when nothing moved (the session had nothing to hand back)."""
+    each result belongs to. The session holds the collect up to `poll_s` while nothing has finished, so the
+    round returns as soon as output arrives (or after `poll_s`, for the caller's own checks)."""
     buf = [r for run in runs for r in run.take_requests()]
     if buf:
         session.submit(buf)
     for run in runs:
         if run.take_flush():
             session.flush(run.iteration)
-    out = session.collect()
+    out = session.collect(wait_s=poll_s)
     if out.results or out.grads:
         faults.point("collect")  # inside an iteration: some of its work has come back
     for g in out.grads:
@@ -247,6 +248,4 @@ def drive(session: Any, runs: list[IterationRun], poll_s: float, on_poll=None) -
         run.advance()
     if on_poll is not None:
         on_poll(out)
-    if not (out.results or out.grads or buf) and not all(run.done for run in runs):
-        time.sleep(poll_s)
     return out

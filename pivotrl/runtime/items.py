@@ -263,6 +263,10 @@ class ItemLedger:
             c[str(item.state)] = c.get(str(item.state), 0) + 1
         return out
 
+    def has_output(self) -> bool:
+        """Results or gradient sums are waiting for the driver."""
+        return bool(self.results or self.grads)
+
     def take_results(self) -> tuple[list[ItemResult], list[GradResult]]:
         results, grads = self.results, self.grads
         self.results, self.grads = [], []

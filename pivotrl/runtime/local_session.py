@@ -66,8 +66,9 @@ class LocalSession:
                 self.iteration_of[r.id] = r.iteration
         return len(requests)
 
-    def collect(self) -> Collected:
-        """Step every role with work, round-robin, until something finished or nothing is left to do."""
+    def collect(self, wait_s: float = 0.0) -> Collected:
+        """Step every role with work, round-robin, until something finished or nothing is left to do (this
+        process does the work, so there is nothing to wait for: `wait_s` is the sessions' common form)."""
         while not (self.results or self.grads):
             stepped = False
             for role in self.pending:

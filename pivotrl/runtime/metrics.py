@@ -60,6 +60,18 @@ def device_time_delta(
     return out
 
 
+def barrier_before(state: dict[str, Any], iteration: int) -> float | None:
+    """Seconds from the previous iteration's last train item finishing to this one's first request reaching
+    the scheduler (its `iteration_edges`): the whole barrier as the runtime runs it. None where the previous
+    iteration is unknown or still trained after this one began (bounded staleness overlaps them)."""
+    edges = state.get("iteration_edges", {})
+    this, prev = edges.get(str(iteration), {}), edges.get(str(iteration - 1), {})
+    start, done = this.get("first_submit"), prev.get("last_train_done")
+    if start is None or done is None or start < done:
+        return None
+    return float(start) - float(done)
+
+
 class IterationMeter:
     def __init__(self, session: Any, log: Callable[[str], None]) -> None:
         self.session = session
@@ -189,6 +201,9 @@ class IterationMeter:
                 row[f"train_{key}"] = float(train_stats[key])
         for stage, t in res.stage_seconds.items():
             row[f"stage_{stage}_done_s"] = t
+        gap = barrier_before(st, res.iteration)
+        if gap is not None:
+            row["barrier_before_s"] = gap
         self.prev = row
         return row
 

@@ -30,7 +30,7 @@ from pivotrl.runtime.messages import (
     SyncReport,
     WorkRequest,
 )
-from pivotrl.runtime.records import DecisionRecord, IterationMark
+from pivotrl.runtime.records import DecisionRecord, IterationEdges, IterationMark
 
 
 class WorkerStatus:
@@ -79,6 +79,7 @@ class Orchestrator:
         self.timeline: list[dict[str, Any]] = []
         self.decisions: list[DecisionRecord] = []  # the page's shift decisions, B/G/φ from core's reasoning
         self.iterations: list[IterationMark] = []
+        self.edges: dict[int, IterationEdges] = {}  # the newest few iterations' first submit, last train item
         self.tokens: dict[str, int] = {}  # role → tokens produced since start
         self.sample_s = sample_s
         self._last_sample = -1e9
@@ -294,6 +295,8 @@ class Orchestrator:
             if item is None:
                 continue  # a late duplicate (e.g. finished on a worker we already gave up on)
             finished_roles.add(item.role)
+            if item.role == "train":
+                self._edges(item.iteration).last_train_done = now
             with contextlib.suppress(KeyError):  # core finished it already (a late duplicate)
                 self.ctl.on_finished(item.id, now, generated=n or item.request.est_tokens)
         rid = self.ctl.state.device_replica.get(worker)
@@ -316,6 +319,8 @@ class Orchestrator:
         if done is not None and info.shift is not None and done.shift_id == info.shift.id:
             self._shift_done(info, done.timings, done.shift_id)
         drained = bool(finished_roles) and self.ledger.drained(finished_roles)
+        if "train" in finished_roles:  # the sum may be due now: ask in this reply, not after the next tick
+            self._maybe_flush()
         if info.status == WorkerStatus.READY:
             self.dispatch()
         reply = SyncReply(
@@ -338,8 +343,22 @@ class Orchestrator:
                 raise ValueError(f"duplicate item id {req.id!r}")
             self.ctl.submit([sequence_of(req, len(req.generated))], now)
             self.ledger.add(req)
+            edges = self._edges(req.iteration)
+            if edges.first_submit is None:
+                edges.first_submit = now
         self.dispatch()
         return len(requests)
+
+    #: iterations whose edges `state` carries (the meter reads the newest two)
+    EDGES_KEPT = 4
+
+    def _edges(self, iteration: int) -> IterationEdges:
+        edges = self.edges.get(iteration)
+        if edges is None:
+            edges = self.edges[iteration] = IterationEdges(iteration)
+            for old in sorted(self.edges)[: -self.EDGES_KEPT]:
+                del self.edges[old]
+        return edges
 
     def begin_iteration(self, plan: IterationPlan, now: float) -> None:
         self.now = now
@@ -378,6 +397,7 @@ class Orchestrator:
                 for a, w in self.workers.items()
             },
             "items": self.ledger.counts(),
+            "iteration_edges": {str(i): e.to_wire() for i, e in self.edges.items()},
             "tokens": dict(self.tokens),
             "plan_s": plan_s,
             "plans": plans,

@@ -80,6 +80,18 @@ class IterationMark(Wire):
 
 
 @dataclass
+class IterationEdges(Wire):
+    """When, on the scheduler's clock, iteration `iteration`'s first request arrived and its last train item
+    finished: the next iteration's `first_submit` minus this one's `last_train_done` is the barrier as the
+    control plane runs it (flush, gradient hand-in, optimizer step, publish, the driver's bookkeeping),
+    which a simulator profile needs as one cost."""
+
+    iteration: int
+    first_submit: float | None = None
+    last_train_done: float | None = None
+
+
+@dataclass
 class PageData(Wire):
     """Everything the `/pivotrl` page renders, from one scheduler plugin."""
 

@@ -31,6 +31,8 @@ logger = logging.getLogger(__name__)
 PLUGIN_NAME = "pivotrl"
 #: At most one extra (event-driven) tick per this many seconds, besides the periodic one.
 EVENT_TICK_GAP_S = 0.01
+#: The longest a driver's `pivotrl_collect` is held waiting for output (it asks for less).
+MAX_COLLECT_WAIT_S = 1.0
 
 
 class PivotSchedulerPlugin(SchedulerPlugin):
@@ -52,18 +54,21 @@ class PivotSchedulerPlugin(SchedulerPlugin):
         self._event_tick_pending = False
         self._exporter: Any = None
         self.reports: list[IterationReport] = []  # the driver's, one per iteration: the page's learning curve
+        self._output: asyncio.Event | None = None  # set when results or sums wait for the driver
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state.pop("scheduler", None)
         state.pop("_task", None)
         state.pop("_exporter", None)
+        state.pop("_output", None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._task = None
         self._exporter = None
+        self._output = None
 
     # -- lifecycle ------------------------------------------------------------------------------------
     async def start(self, scheduler: Any) -> None:
@@ -167,6 +172,9 @@ class PivotSchedulerPlugin(SchedulerPlugin):
         reply, drained = self.orch.sync(rep, self.now())
         if drained:
             self._tick_on_event()
+        urgent = rep.flushed is not None or drained  # what an iteration's next step waits on
+        if self._output is not None and urgent and self.orch.ledger.has_output():
+            self._output.set()
         return reply.to_wire()
 
     # -- handlers: driver side ------------------------------------------------------------------------
@@ -178,7 +186,18 @@ class PivotSchedulerPlugin(SchedulerPlugin):
     def handle_begin_iteration(self, plan: dict[str, Any]) -> None:
         self.orch.begin_iteration(IterationPlan(**plan), self.now())
 
-    def handle_collect(self) -> dict[str, Any]:
+    async def handle_collect(self, wait_s: float = 0.0) -> dict[str, Any]:
+        """Hand the driver what finished. With nothing waiting, hold the call up to `wait_s` (at most
+        `MAX_COLLECT_WAIT_S`), and return early when a gradient sum arrives or a role drains: a driver
+        polling on a timer leaves those, which the iteration waits on, half its period on average. Other
+        results keep the driver's rhythm: answering each at once made it collect hundreds of times a second,
+        and that CPU slowed the devices (see docs/decisions.md)."""
+        if wait_s > 0 and not self.orch.ledger.has_output():
+            if self._output is None:
+                self._output = asyncio.Event()
+            self._output.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._output.wait(), min(float(wait_s), MAX_COLLECT_WAIT_S))
         return self.orch.collect(self.now(), self.plan_s, self.plans).to_wire()
 
     def handle_set_version(self, role: str, version: int) -> None:

@@ -58,8 +58,10 @@ class RuntimeSession:
     def submit(self, requests: list[WorkRequest]) -> int:
         return self._call("pivotrl_submit", items=[r.to_wire() for r in requests]) if requests else 0
 
-    def collect(self) -> Collected:
-        return Collected.from_wire(self._call("pivotrl_collect"))
+    def collect(self, wait_s: float = 0.0) -> Collected:
+        """What finished since the last call; with nothing yet, the scheduler holds the call up to
+        `wait_s` for the first of it."""
+        return Collected.from_wire(self._call("pivotrl_collect", wait_s=wait_s))
 
     def state(self) -> dict[str, Any]:
         return self._call("pivotrl_state")

@@ -112,6 +112,10 @@ class IterationCost(Section):
     bucket_gb: float = Field(0.1, gt=0, description="all-reduce bucket size (sharded)")
     collective_latency_s: float = Field(0.0, ge=0, description="fixed cost of one collective (sharded)")
     commit_s: float = Field(0.0, ge=0, description="rank 0 committing the sharded version's manifest")
+    control_s: float = Field(0.0, ge=0, description="the control plane's part of the barrier, whatever the "
+                             "owner: asking the train replicas for their sums and handing them in, the "
+                             "driver's bookkeeping, the next iteration's first request reaching the "
+                             "scheduler")
 
 
 class CostProfile(Section):

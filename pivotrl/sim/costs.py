@@ -78,13 +78,14 @@ def barrier_time(cfg: SimConfig, train_replicas: int) -> float:
     the rank that owns its tensors ((n-1)/n of the bytes over the link, plus one collective latency per
     bucket; the clip's norms are one small all-reduce), each steps AdamW on its 1/n of the tensors and
     writes its 1/n of the version in parallel, then rank 0 commits the manifest. Driver: one process
-    reduces (the ring all-reduce model, 2(n-1)/n, kept from before), steps and publishes the whole model."""
+    reduces (the ring all-reduce model, 2(n-1)/n, kept from before), steps and publishes the whole model.
+    Either way the control plane adds its round trips and the driver's bookkeeping (`control_s`)."""
     it = cfg.cost.iteration
     n = max(train_replicas, 1)
     if it.optimizer_owner == "driver":
         ring_s = 2.0 * (n - 1) / n * it.grad_allreduce_gb / it.allreduce_gb_s if n > 1 else 0.0
-        return it.optimizer_step_s + ring_s + it.publish_s
+        return it.optimizer_step_s + ring_s + it.publish_s + it.control_s
     scatter_s = (n - 1) / n * it.grad_allreduce_gb / it.allreduce_gb_s if n > 1 else 0.0
     buckets = math.ceil(it.grad_allreduce_gb / it.bucket_gb) if n > 1 else 0
     sharded_s = (it.optimizer_step_s + it.publish_s) / n + it.commit_s
-    return scatter_s + buckets * it.collective_latency_s + sharded_s
+    return scatter_s + buckets * it.collective_latency_s + sharded_s + it.control_s

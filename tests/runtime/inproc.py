@@ -65,7 +65,14 @@ class InProcessRuntime:
         with self.lock:
             return self.orch.submit(requests, self.now())
 
-    def collect(self) -> Collected:
+    def collect(self, wait_s: float = 0.0) -> Collected:
+        """The scheduler extension's long poll: up to `wait_s` for the first result or sum."""
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            with self.lock:
+                if self.orch.ledger.has_output():
+                    break
+            time.sleep(0.001)
         with self.lock:
             return self.orch.collect(self.now())
 

@@ -67,7 +67,7 @@ class InlineSession:
     def set_version(self, role, version):
         self.versions.append((role, version))
 
-    def collect(self):
+    def collect(self, wait_s=0.0):
         n = len(self.results) if self.per_collect is None else self.per_collect
         out = Collected(self.results[:n], self.grads)
         self.results, self.grads = self.results[n:], []

@@ -73,3 +73,27 @@ async def test_a_sync_from_another_session_is_told_to_stand_by(c, s, a):
     assert reply.unknown and not reply.assign and reply.shift is None
     own = SyncReply.from_wire(await c.scheduler.pivotrl_sync(report={**stranger, "session": "mine"}))
     assert not own.unknown and own.shift is not None and own.shift.role == "rollout"
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2, timeout=90)
+async def test_a_collect_is_held_until_output_arrives_and_no_longer(c, s, a, b):
+    """`pivotrl_collect(wait_s)` returns as soon as a result is there, holds an empty call up to `wait_s`,
+    and returns at once while output waits."""
+    await rollout_and_reward_workers(c, s)
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    empty = Collected.from_wire(await c.scheduler.pivotrl_collect(wait_s=0.3))
+    assert not empty.results and loop.time() - t0 >= 0.29
+    item = WorkRequest("y0", "rollout", {"target_len": 3}, max_new_tokens=3).to_wire()
+    await c.scheduler.pivotrl_submit(items=[item])
+    t0 = loop.time()
+    out = Collected.from_wire(await c.scheduler.pivotrl_collect(wait_s=20.0))
+    held = loop.time() - t0
+    assert [r.id for r in out.results] == ["y0"] and held < 0.5  # not the 1 s cap: the result woke it
+    # output that waits already is handed over without holding the call
+    await c.scheduler.pivotrl_submit(items=[{**item, "id": "y1"}])
+    while not s.plugins["pivotrl"].orch.ledger.has_output():
+        await asyncio.sleep(0.005)
+    t0 = loop.time()
+    out = Collected.from_wire(await c.scheduler.pivotrl_collect(wait_s=20.0))
+    assert [r.id for r in out.results] == ["y1"] and loop.time() - t0 < 0.25

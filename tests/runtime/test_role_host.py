@@ -153,3 +153,65 @@ def test_a_multi_device_replica_is_ready_when_all_its_devices_are() -> None:
         assert all(r.generated == [token(i, j) for j in range(5)] for i, r in got.items())
     finally:
         rt.close()
+
+
+def test_the_barrier_between_iterations_is_measured_from_the_last_train_item_to_the_next_request() -> None:
+    """The scheduler records each iteration's first request and last finished train item; the meter's
+    `barrier_before` is the gap between them, and only where the iterations did not overlap."""
+    from pivotrl.runtime.metrics import barrier_before
+
+    ctl = controller(["train", "rollout"])
+    rt = InProcessRuntime(ctl, specs(step_s=0.005), n_workers=2)
+    try:
+        rt.wait_ready()
+        rt.submit([WorkRequest(f"a{i}", "train", {"x": i}, iteration=0, est_tokens=10) for i in range(6)])
+        rt.call("flush", 0)
+        wait(rt, {f"a{i}" for i in range(6)})
+        done = rt.call("state", rt.now())["iteration_edges"]["0"]["last_train_done"]
+        time.sleep(0.05)  # the driver's bookkeeping between the two iterations
+        rt.submit(requests("b", 2, 3))
+        assert barrier_before(rt.call("state", rt.now()), 1) is None  # iteration 1 has no request yet
+        rt.submit([WorkRequest("c0", "rollout", {"target_len": 3}, iteration=1, max_new_tokens=3)])
+        st = rt.call("state", rt.now())
+        edges = st["iteration_edges"]
+        assert edges["1"]["first_submit"] - done >= 0.05
+        assert barrier_before(st, 1) == pytest.approx(edges["1"]["first_submit"] - done)
+        wait(rt, {"b0", "b1", "c0"})
+    finally:
+        rt.close()
+
+
+def test_barrier_before_is_none_where_iterations_overlap_or_are_unknown() -> None:
+    from pivotrl.runtime.metrics import barrier_before
+
+    def state(edges):
+        return {"iteration_edges": {str(i): e for i, e in edges.items()}}
+
+    assert barrier_before(state({}), 1) is None
+    assert barrier_before(state({1: {"first_submit": 5.0}}), 1) is None
+    assert barrier_before(state({0: {"last_train_done": 4.0}, 1: {"first_submit": 5.5}}), 1) == 1.5
+    # bounded staleness: iteration 1 began before iteration 0 finished training
+    assert barrier_before(state({0: {"last_train_done": 6.0}, 1: {"first_submit": 5.5}}), 1) is None
+
+
+def test_the_reply_to_the_last_train_item_asks_for_the_sum() -> None:
+    """Once the driver has asked for an iteration's sums, the sync that reports its last train item gets
+    the flush in its own reply: waiting for the next tick or sync would idle the barrier."""
+    from pivotrl.runtime.messages import ItemResult, ShiftDone, SyncReport
+    from pivotrl.runtime.orchestrator import Orchestrator
+
+    orch = Orchestrator(controller(["train"]), specs())
+    orch.join("w0", "0", 0.0)
+    orch.tick(0.0)
+    shift = orch.sync(SyncReport(worker="w0"), 0.01)[0].shift
+    assert shift is not None and shift.role == "train"
+    orch.sync(SyncReport(worker="w0", free=4, shift_done=ShiftDone(shift.id, "train", None, ShiftTimings())),
+              0.02)
+    orch.submit([WorkRequest(f"t{i}", "train", {"x": i}, est_tokens=10) for i in range(2)], 0.03)
+    orch.flush(0)
+    assigned = orch.sync(SyncReport(worker="w0", free=4), 0.04)[0].assign
+    assert sorted(i.id for i in assigned) == ["t0", "t1"]
+    first, _ = orch.sync(SyncReport(worker="w0", free=4, finished=[ItemResult("t0")]), 0.05)
+    assert not first.flush  # t1 still runs
+    last, _ = orch.sync(SyncReport(worker="w0", free=4, finished=[ItemResult("t1")]), 0.06)
+    assert last.flush

@@ -36,7 +36,7 @@ class TimelineSession(InlineSession):
     def state(self):
         return {"workers": {}, "tokens": {}, "plan_s": 0.0, "plans": 0}
 
-    def collect(self):
+    def collect(self, wait_s=0.0):
         out = super().collect()
         for r in out.results:  # ids are "r<iteration>:<uid>:<k>/<stage>"
             self.timeline.append(("result", r.id.rpartition("/")[2], int(r.id[1:].split(":")[0])))

@@ -34,3 +34,12 @@ def test_sharded_beats_driver_beyond_one_rank_and_matches_it_at_one() -> None:
     for n in (2, 4, 8):
         assert barrier_time(sharded, n) < barrier_time(driver, n)
     assert barrier_time(driver, 4) == pytest.approx(2.0 + 2 * 3 / 4 * 14.0 / 50.0 + 3.0)
+
+
+@pytest.mark.parametrize("owner", ["sharded", "driver"])
+@pytest.mark.parametrize("n", [1, 3, 8])
+def test_the_control_planes_part_adds_once_whatever_the_owner_and_the_ranks(owner: str, n: int) -> None:
+    cfg = _cfg(owner)
+    before = barrier_time(cfg, n)
+    cfg.cost.iteration = cfg.cost.iteration.model_copy(update={"control_s": 0.14})
+    assert barrier_time(cfg, n) == pytest.approx(before + 0.14)
