@@ -3,17 +3,19 @@ simulator from a profile measured in those very runs, tokens/s per device side b
 
     python -m benchmarks.fidelity --quick --json OUT.json
 
-Every configuration of `benchmarks.paradigms` runs once for real (colocated, each static grouping,
-shiftable on-policy and with `run.max_staleness: 1`). The profile is read off those runs only — no constant
+Every configuration of `benchmarks.paradigms` runs for real (colocated, each static grouping, shiftable
+on-policy and with `run.max_staleness: 1`), in `--repeats` interleaved rounds (rotated order, as
+`benchmarks.paradigms` does): on this shared 2-core box one run of a configuration moves by ±15 % from the
+next, more than the error measured. The profile is read off those runs only — no constant
 is typed in: the sequences' lengths (every sample's prompt, response, judge prompt and critique), core's own
-fitted step-time line per role (`Controller.snapshot()["step_fits"]`), training tokens/s per device (train
-busy seconds over trained tokens), the measured shift time into each role, the driver's barrier
-(optimizer step + publish), the control plane's part of it (from the last train item to the next
+fitted step-time line and prefill rate per role (`Controller.snapshot()["step_fits"]`), training tokens/s
+per device (train busy seconds over trained tokens), the measured shift time into each role, the driver's
+barrier (optimizer step + publish), the control plane's part of it (from the last train item to the next
 iteration's first request, less that step) and each rollout device's weight sync per iteration. The
 simulator then runs each configuration with that profile. Both sides are measured the same way: the median
 over measured iterations of the time from one iteration's completion to the next's, and tokens/s per
-device is the real run's mean tokens per iteration over it. `max_abs_error` is the largest
-|sim / real − 1| over the paradigms; printed last.
+device is the real run's mean tokens per iteration over it; the real figure is the median over the
+rounds. `max_abs_error` is the largest |sim / real − 1| over the paradigms; printed last.
 """
 
 from __future__ import annotations
@@ -59,10 +61,21 @@ def control_s(runs: list[Any]) -> float:
     return max(0.0, statistics.median(gaps)) if gaps else 0.0
 
 
-def profile(cfg: Any, runs: dict[str, Any], onpolicy: list[str]) -> dict[str, Any]:
+def combined(results: list[Any]) -> dict[str, Any]:
+    """One configuration's rounds: each run `measured`, the figures the median over the runs."""
+    each = [measured(res) for res in results]
+    tps = [m["tokens_per_s_per_device"] for m in each]
+    mid = sorted(range(len(each)), key=lambda i: tps[i])[(len(each) - 1) // 2]
+    return {**each[mid], "tokens_per_s_per_device": statistics.median(tps),
+            "tokens_per_s_per_device_rounds": tps,
+            "tokens_per_iteration": statistics.mean(m["tokens_per_iteration"] for m in each)}
+
+
+def profile(cfg: Any, by_config: dict[str, list[Any]], onpolicy: list[str]) -> dict[str, Any]:
     """A simulator config (plain data) of the workload, every cost read off the runs (the barrier's
     control-plane part off the on-policy ones: with staleness the next iteration starts before it)."""
-    rows = [r for res in runs.values() for r in res.iterations[WARMUP:]]
+    runs = [res for results in by_config.values() for res in results]
+    rows = [r for res in runs for r in res.iterations[WARMUP:]]
     lens: dict[str, list[int]] = {k: [] for k in ("prompt", "response", "judge_prompt", "judge")}
     for r in rows:
         for k in lens:
@@ -71,18 +84,21 @@ def profile(cfg: Any, runs: dict[str, Any], onpolicy: list[str]) -> dict[str, An
                                                               lens["response"], strict=True))
     fits = {role: {k: statistics.median(r["step_fits"][role][k] for r in rows) for k in ("a_s", "b_s")}
             for role in ("rollout", "reward")}
+    # core's prefill rate per role (the time of steps that admitted prompts beyond the decode line)
+    prefill = {role: [r["step_fits"][role]["prefill_tokens_per_s"] for r in rows
+                      if r["step_fits"][role].get("prefill_tokens_per_s")] for role in ("rollout", "reward")}
     train_busy = sum(d.get("train", 0.0) + d.get("flush", 0.0)
                      for r in rows for d in r["device_time"].values())
     train_tokens = sum(r["tokens_train"] for r in rows)
     shifts: dict[str, list[float]] = {role: [] for role in ROLES}
-    for res in runs.values():
+    for res in runs:
         for e in res.shifts:
             shifts[e["role"]].append(shift_phase(e, "total"))
     all_shifts = [x for v in shifts.values() for x in v]
     barrier = [float(r["train_apply_s"]) / max(1.0, float(r.get("train_steps", 1.0))) for r in rows
                if "train_apply_s" in r]
     # a rollout device picking up a new version fetches and loads it, as the load phase of a shift does
-    sync = [shift_phase(e, "fetch") + shift_phase(e, "load") for res in runs.values() for e in res.shifts
+    sync = [shift_phase(e, "fetch") + shift_phase(e, "load") for res in runs for e in res.shifts
             if e["role"] == "rollout"]
     gen = {"rollout": cfg.rollout, "reward": cfg.reward}
 
@@ -90,7 +106,7 @@ def profile(cfg: Any, runs: dict[str, Any], onpolicy: list[str]) -> dict[str, An
         e = gen[role].engine
         return {"devices_per_replica": 1, "max_batch": e.max_batch, "kv_tokens": e.kv_budget_tokens,
                 "decode": {"a_s": fits[role]["a_s"], "b_s": fits[role]["b_s"], "c_s": 0.0},
-                "prefill_tokens_per_s": 1e9,  # the fitted step line holds the prefill of admitted prompts
+                "prefill_tokens_per_s": statistics.median(prefill[role]) if prefill[role] else 1e9,
                 "weights_gb": 0.0, "init_s": _median(shifts[role], all_shifts)}
 
     def empirical(xs: list[int], cap: int) -> dict[str, Any]:
@@ -122,7 +138,7 @@ def profile(cfg: Any, runs: dict[str, Any], onpolicy: list[str]) -> dict[str, An
             # the measured barrier is the whole owner's step: the simulator models the same owner
             "iteration": {"optimizer_step_s": statistics.median(barrier) if barrier else 0.0,
                           "weight_sync_s": statistics.median(sync) if sync else 0.0,
-                          "control_s": control_s([runs[name] for name in onpolicy]),
+                          "control_s": control_s([res for name in onpolicy for res in by_config[name]]),
                           "optimizer_owner": cfg.train.optimizer_owner},
         },
         "scheduler": {"tick_s": sc.tick_s, "horizon_s": sc.horizon_s, "hysteresis": sc.hysteresis,
@@ -154,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="the quick paradigms workload")
     ap.add_argument("--json", type=Path, help="write the results here")
     ap.add_argument("--storage", type=Path, default=Path("storage/bench"))
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds over every configuration")
     args = ap.parse_args(argv)
     for name in ("distributed", "distributed.worker", "distributed.scheduler", "distributed.nanny"):
         logging.getLogger(name).setLevel(logging.ERROR)
@@ -168,16 +185,18 @@ def main(argv: list[str] | None = None) -> int:
     configs: list[tuple[str, str, list[list[str]] | None, int]] = [("colocated", "colocated", None, 0)]
     configs += [(f"static {name}", "disaggregated", groups, 0) for name, groups in GROUPINGS.items()]
     configs += [("shiftable", "shiftable", None, 0), ("shiftable_async", "shiftable", None, 1)]
-    runs: dict[str, Any] = {}
-    for name, mode, groups, k in configs:
-        runs[name] = run_config(cfg, mode, groups, k)
-        tps = measured(runs[name])["tokens_per_s_per_device"]
-        print(f"real {name:<32} {tps:8.1f} tok/s/device", flush=True)
+    runs: dict[str, list[Any]] = {name: [] for name, *_ in configs}
+    for rep in range(max(1, args.repeats)):
+        shift = rep % len(configs)
+        for name, mode, groups, k in configs[shift:] + configs[:shift]:  # rotated: no config in a fixed slot
+            runs[name].append(run_config(cfg, mode, groups, k))
+            tps = measured(runs[name][-1])["tokens_per_s_per_device"]
+            print(f"real round {rep + 1} {name:<32} {tps:8.1f} tok/s/device", flush=True)
     prof = profile(cfg, runs, [name for name, _m, _g, k in configs if k == 0])
     out: dict[str, Any] = {"profile": {k: v for k, v in prof["cost"].items()}, "sim_config": prof,
                            "paradigms": {}}
     for name, _mode, groups, k in configs:
-        real = measured(runs[name])
+        real = combined(runs[name])
         data = json.loads(json.dumps(prof))
         data["workload"]["max_staleness"] = k
         sim_cfg = validate(data, SimConfig, source="benchmarks.fidelity profile")

@@ -138,14 +138,18 @@ class Controller:
         return seq
 
     def on_step(self, replica_id: str, concurrency: int, step_time_s: float, now: float,
-                tokens: float | None = None) -> None:
+                tokens: float | None = None, prefill_tokens: int = 0) -> None:
         """One engine step took `step_time_s` with `concurrency` sequences (`tokens` work, default one per
-        sequence). Feeds the replica's and its role's throughput fit."""
+        sequence), `prefill_tokens` of them newcomers' prompts. Feeds the replica's and its role's
+        throughput fit: a pure decode step its line, a step that prefilled its prefill rate."""
         rep = self.state.replicas.get(replica_id)
         if rep is None:
             return
-        rep.model.observe(concurrency, step_time_s, tokens)
-        self.state.role_models[rep.role].observe(concurrency, step_time_s, tokens)
+        for m in (rep.model, self.state.role_models[rep.role]):
+            if prefill_tokens > 0:
+                m.observe_prefill(concurrency, step_time_s, prefill_tokens, tokens)
+            else:
+                m.observe(concurrency, step_time_s, tokens)
 
     def on_shift_done(self, replica_id: str, now: float, timings: ShiftTimings | None = None) -> Decision:
         """Replica `replica_id` finished loading its role; it becomes active and gets work (shift-up
@@ -311,7 +315,8 @@ class Controller:
                 "tokens_per_s": sum(x.rate() for x in reps if x.state is ReplicaState.ACTIVE),
             }
         fits = {str(r): {"a_s": m.a, "b_s": m.b, "tokens_per_seq_step": m.tokens_per_seq_step,
-                         "samples": m.samples} for r, m in st.role_models.items()}
+                         "samples": m.samples, "prefill_tokens_per_s": m.prefill_tokens_per_s}
+                for r, m in st.role_models.items()}
         return {"roles": roles, "step_fits": fits,
                 "devices": {d: (None if r is None else str(r)) for d, r in st.device_role.items()},
                 "free_devices": len(st.free_devices()),

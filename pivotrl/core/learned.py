@@ -64,9 +64,15 @@ class LearnedState:
 
 
 def _fit(f: dict[str, Any]) -> dict[str, Any]:
-    return {"a": float(f["a"]), "b": float(f["b"]), "tokens_per_seq_step": float(f["tokens_per_seq_step"]),
-            "s": [float(x) for x in f["s"]][:5], "kx": [float(x) for x in f["kx"]][:2],
-            "samples": int(f["samples"])}
+    out = {"a": float(f["a"]), "b": float(f["b"]), "tokens_per_seq_step": float(f["tokens_per_seq_step"]),
+           "s": [float(x) for x in f["s"]][:5], "kx": [float(x) for x in f["kx"]][:2],
+           "samples": int(f["samples"])}
+    if "pf" in f:  # the prefill estimate (absent from checkpoints written before it)
+        pf = [float(x) for x in f["pf"]]
+        if len(pf) != 2:
+            raise ValueError(f"prefill statistics: 2 values, got {len(pf)}")
+        out["pf"] = pf
+    return out
 
 
 def _profile(p: dict[str, Any]) -> IterationProfile:
@@ -82,7 +88,7 @@ def _profile(p: dict[str, Any]) -> IterationProfile:
 def _fit_state(m: ThroughputModel) -> dict[str, Any]:
     sums, kx, samples = m.statistics()
     return {"a": m.a, "b": m.b, "tokens_per_seq_step": m.tokens_per_seq_step, "s": sums, "kx": kx,
-            "samples": samples}
+            "samples": samples, "pf": m.prefill_statistics()}
 
 
 def learned_state(ctl: Controller) -> LearnedState:
@@ -116,6 +122,8 @@ def restore_learned(ctl: Controller, state: LearnedState) -> None:
         m = ctl.state.role_models.get(Role(r))
         if m is not None:
             m.restore_statistics(f["s"], f["kx"], f["samples"])
+            if "pf" in f:  # checkpoints before the prefill estimate have none: it is relearned
+                m.restore_prefill_statistics(f["pf"])
     if state.last_profile is not None:
         ctl.profiles.append(_profile(state.last_profile))
         ctl.resumed_profile = ctl.profiles[-1]

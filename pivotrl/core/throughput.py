@@ -30,6 +30,8 @@ class ThroughputModel:
     # Recency-weighted sufficient statistics of the measured samples (sum of w, w·x, w·x², w·t, w·x·t).
     _s: list[float] = field(default_factory=lambda: [0.0] * 5)
     _kx: list[float] = field(default_factory=lambda: [0.0, 0.0])  # weighted (x, n) for tokens per seq
+    # Recency-weighted (seconds beyond the line, tokens) of steps that prefilled newcomers.
+    _pf: list[float] = field(default_factory=lambda: [0.0, 0.0])
     samples: int = 0
     a: float = 0.0
     b: float = 0.0
@@ -60,6 +62,35 @@ class ThroughputModel:
         self._kx[1] = self._kx[1] * d + concurrency
         self.samples += 1
         self._refit()
+
+    def observe_prefill(self, concurrency: int, step_time_s: float, prefill_tokens: float,
+                        tokens: float | None = None) -> None:
+        """Record a step that also prefilled `prefill_tokens` of newcomers' prompts. Its time beyond the line
+        (the decode of its `concurrency` rows) is the prefill's; the line itself learns from pure decode
+        steps only. A batch admitted at once prefills thousands of tokens in one step, which a line over
+        rows would read as a slow decode step; the split keeps both costs, as the simulator prices them."""
+        if prefill_tokens <= 0 or not step_time_s > 0.0:
+            return
+        x = float(tokens) if tokens is not None else concurrency * self.tokens_per_seq_step
+        beyond = max(0.0, step_time_s - (self.a + self.b * x))
+        d = self.decay
+        self._pf[0] = self._pf[0] * d + beyond
+        self._pf[1] = self._pf[1] * d + float(prefill_tokens)
+
+    @property
+    def prefill_tokens_per_s(self) -> float | None:
+        """Prefill tokens per second measured so far (None before any prefill, or when it cost nothing)."""
+        seconds, tokens = self._pf
+        return tokens / seconds if seconds > 0 and tokens > 0 else None
+
+    def prefill_statistics(self) -> list[float]:
+        """The prefill estimate's weighted sums, for a checkpoint."""
+        return list(self._pf)
+
+    def restore_prefill_statistics(self, pf: list[float]) -> None:
+        if len(pf) != 2:
+            raise ValueError(f"prefill statistics: 2 values, got {len(pf)}")
+        self._pf = [float(x) for x in pf]
 
     def _refit(self) -> None:
         s0, s1, s2, s3, s4 = self._s

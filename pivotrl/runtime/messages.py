@@ -288,11 +288,13 @@ class Progress(Wire):
 
 @dataclass(frozen=True)
 class StepSample(Wire):
-    """One engine step: `concurrency` items, `step_time_s` seconds, `tokens` of work done."""
+    """One engine step: `concurrency` items, `step_time_s` seconds, `tokens` of work done, of which
+    `prefill_tokens` prompt tokens of sequences admitted in it."""
 
     concurrency: int
     step_time_s: float
     tokens: int
+    prefill_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -307,7 +307,8 @@ class Orchestrator:
             if s.step_time_s > 0:
                 info.tokens_per_s = 0.7 * info.tokens_per_s + 0.3 * s.tokens / s.step_time_s
             if rid is not None:
-                self.ctl.on_step(rid, s.concurrency, s.step_time_s, now, tokens=s.tokens)
+                self.ctl.on_step(rid, s.concurrency, s.step_time_s, now, tokens=s.tokens,
+                                 prefill_tokens=s.prefill_tokens)
         if report.flushed is not None:
             info.busy["flush"] = info.busy.get("flush", 0.0) + float(report.flushed.seconds)
             ids = self.ledger.flushed(worker, report.flushed)

@@ -195,11 +195,12 @@ class GenerationContext(_Weights):
         return max(0, self.max_batch - self.engine.num_running - self.engine.num_waiting)
 
     def step(self) -> tuple[list[ItemResult], StepSample | None]:
-        before = self._tokens()
+        before, prefilled = self._tokens(), self._prefilled()
         t0 = time.perf_counter()
         done = self.engine.step()
         dt = time.perf_counter() - t0
         tokens = self._tokens() - before
+        prefill = self._prefilled() - prefilled
         self.live.difference_update(r.seq_id for r in done)
         out = [
             ItemResult(
@@ -211,11 +212,15 @@ class GenerationContext(_Weights):
             for r in done
         ]
         # concurrency: one token per running sequence per decode step, so the step's tokens
-        return out, (StepSample(tokens, dt, tokens) if tokens else None)
+        return out, (StepSample(tokens, dt, tokens, prefill) if tokens else None)
 
     def _tokens(self) -> int:
         n = getattr(self.engine, "tokens_generated", None)
         return int(n if n is not None else self.engine.stats().get("tokens_generated", 0))
+
+    def _prefilled(self) -> int:
+        """Prompt tokens the engine has prefilled (0 for an engine that does not count them)."""
+        return int(getattr(self.engine, "prefill_tokens", 0))
 
     def abort(self, ids: list[str] | None) -> list[Partial]:
         if self.engine is None:

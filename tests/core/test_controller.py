@@ -77,6 +77,13 @@ def test_on_step_feeds_replica_and_role_fit_and_new_replicas_inherit() -> None:
     ctl.on_step("no-such-replica", 4, 0.1, 1.0)  # a late report after a shift: ignored
     new = ctl.state.new_replica(Role.ROLLOUT, ("b",), 2.0)
     assert new.model.b == pytest.approx(0.01, rel=1e-3)
+    # a step that prefilled 2,000 prompt tokens in 0.2 s beyond the line feeds the prefill rate, not the line
+    samples = rep.model.samples
+    ctl.on_step(rep.replica_id, 8, 0.1 + 0.01 * 8 + 0.2, 3.0, prefill_tokens=2000)
+    assert rep.model.samples == samples and rep.model.b == pytest.approx(0.01, rel=1e-3)
+    for m in (rep.model, ctl.state.role_models[Role.ROLLOUT]):
+        assert m.prefill_tokens_per_s == pytest.approx(10_000, rel=1e-2)
+    assert ctl.snapshot()["step_fits"]["rollout"]["prefill_tokens_per_s"] == pytest.approx(10_000, rel=1e-2)
 
 
 def test_submit_validation() -> None:

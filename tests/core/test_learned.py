@@ -21,15 +21,19 @@ PLAN = IterationPlan(0, rollout_seqs=8, group_size=2, rollout_tokens_per_seq=10.
 
 shift_obs = st.tuples(st.sampled_from([None, *ROLES]), st.sampled_from(ROLES),
                       st.floats(0.0, 50.0), st.floats(0.0, 50.0))
-step_obs = st.tuples(st.sampled_from(ROLES), st.integers(1, 64), st.floats(1e-4, 2.0))
+step_obs = st.tuples(st.sampled_from(ROLES), st.integers(1, 64), st.floats(1e-4, 2.0), st.integers(0, 2048))
 
 
 def _trained(shifts: list, steps: list) -> Controller:
     ctl = Controller("shiftable", devices=["a", "b"], config=config(cooldown_s=0.0))
     for f, t, fetch, load in shifts:
         ctl.shift_costs.observe(f, t, ShiftTimings(fetch=fetch, load=load))
-    for role, n, dt in steps:
-        ctl.state.role_models[role].observe(n, dt)
+    for role, n, dt, prompt in steps:
+        m = ctl.state.role_models[role]
+        if prompt:
+            m.observe_prefill(n, dt, prompt)
+        else:
+            m.observe(n, dt)
     ctl.begin_iteration(PLAN, 0.0)
     ctl.meter.observe(Role.ROLLOUT, 12.0)
     ctl.meter.observe(Role.ROLLOUT, 30.0)
@@ -51,6 +55,7 @@ def test_learned_state_round_trips_through_json_into_a_fresh_controller(shifts: 
     for r in ROLES:
         a, b = fresh.state.role_models[r], ctl.state.role_models[r]
         assert (a.a, a.b, a.samples) == pytest.approx((b.a, b.b, b.samples))
+        assert a.prefill_tokens_per_s == b.prefill_tokens_per_s
         # replicas created after the restore start from the restored fit
         assert fresh.state.role_models[r].spawn().step_time(8) == pytest.approx(b.step_time(8))
 
@@ -84,9 +89,21 @@ junk = st.recursive(leaf,
 @settings(max_examples=150, deadline=None, derandomize=True)
 @given(key=st.sampled_from(["format", "shift_pairs", "shift_to", "fits", "last_profile"]), value=junk)
 def test_a_malformed_record_is_a_value_error_never_anything_else(key: str, value: object) -> None:
-    good = learned_state(_trained([(Role.ROLLOUT, Role.REWARD, 1.0, 2.0)], [(Role.TRAIN, 4, 0.5)])).to_json()
+    steps = [(Role.TRAIN, 4, 0.5, 0), (Role.REWARD, 8, 0.5, 300)]
+    good = learned_state(_trained([(Role.ROLLOUT, Role.REWARD, 1.0, 2.0)], steps)).to_json()
     bad = {**good, key: value}
     try:
         LearnedState.from_json(bad)
     except ValueError as e:
         assert "learned controller state" in str(e)
+
+
+def test_a_checkpoint_without_the_prefill_estimate_loads_and_a_malformed_one_is_refused() -> None:
+    good = learned_state(_trained([], [(Role.REWARD, 8, 0.5, 300)])).to_json()
+    older = {**good, "fits": [[r, {k: v for k, v in f.items() if k != "pf"}] for r, f in good["fits"]]}
+    fresh = Controller("shiftable", devices=["a", "b"], config=config(cooldown_s=0.0))
+    restore_learned(fresh, LearnedState.from_json(older))
+    assert fresh.state.role_models[Role.REWARD].prefill_tokens_per_s is None  # relearned, not invented
+    bad = {**good, "fits": [[r, {**f, "pf": [1.0]}] for r, f in good["fits"]]}
+    with pytest.raises(ValueError, match="learned controller state: malformed"):
+        LearnedState.from_json(bad)

@@ -105,3 +105,34 @@ def test_restored_statistics_refit_to_the_same_line_and_learn_on_alike(obs, more
 def test_restored_statistics_of_the_wrong_shape_are_refused() -> None:
     with pytest.raises(ValueError, match="5 sums and 2 kx"):
         ThroughputModel(0.01, 1e-4).restore_statistics([0.0] * 4, [0.0, 0.0], 0)
+
+
+@settings(CI, max_examples=200)
+@given(a=st.floats(1e-4, 0.01), b=st.floats(1e-6, 1e-3), per_token=st.floats(1e-7, 1e-3),
+       steps=st.lists(st.tuples(st.integers(1, 64), st.integers(0, 4096)), min_size=1, max_size=60))
+def test_prefill_is_priced_apart_and_leaves_the_decode_line_alone(a, b, per_token, steps) -> None:
+    """Steps that prefill cost the line plus `per_token` per prompt token. The line learns only from the
+    pure decode steps (as if the prefill steps never happened), and the prefill rate is exactly 1/per_token
+    once the line is right."""
+    mixed, decode_only = ThroughputModel(a, b), ThroughputModel(a, b)
+    for n, prompt in steps:
+        t = a + b * n + per_token * prompt
+        if prompt:
+            mixed.observe_prefill(n, t, prompt)
+        else:
+            mixed.observe(n, t)
+            decode_only.observe(n, t)
+    assert (mixed.a, mixed.b, mixed.samples) == (decode_only.a, decode_only.b, decode_only.samples)
+    if any(p for _, p in steps):
+        assert mixed.prefill_tokens_per_s == pytest.approx(1.0 / per_token, rel=1e-6)
+    else:
+        assert mixed.prefill_tokens_per_s is None
+
+
+def test_a_prefill_faster_than_the_line_counts_as_free_not_negative() -> None:
+    m = ThroughputModel(0.01, 0.001)
+    m.observe_prefill(8, 0.005, 512)  # quicker than the line says 8 rows take: nothing beyond it
+    assert m.prefill_tokens_per_s is None
+    m.observe_prefill(8, 0.018 + 0.0512, 512)
+    # the free prefill's tokens stay in the (decayed) count: their time was nothing
+    assert m.prefill_tokens_per_s == pytest.approx((512 * 0.95 + 512) / 0.0512, rel=1e-6)
