@@ -4,7 +4,7 @@ simulator from a profile measured in those very runs, tokens/s per device side b
     python -m benchmarks.fidelity --quick --json OUT.json
 
 Every configuration of `benchmarks.paradigms` runs for real (colocated, each static grouping, shiftable
-on-policy and with `run.max_staleness: 1`), in `--repeats` interleaved rounds (rotated order, as
+on-policy and with `run.max_staleness: 1`), in `--repeats` interleaved rounds (default 5; rotated order, as
 `benchmarks.paradigms` does): on this shared 2-core box one run of a configuration moves by ±15 % from the
 next, more than the error measured. The profile is read off those runs only — no constant
 is typed in: the sequences' lengths (every sample's prompt, response, judge prompt and critique), core's own
@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="the quick paradigms workload")
     ap.add_argument("--json", type=Path, help="write the results here")
     ap.add_argument("--storage", type=Path, default=Path("storage/bench"))
-    ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds over every configuration")
+    ap.add_argument("--repeats", type=int, default=5, help="interleaved rounds over every configuration")
     args = ap.parse_args(argv)
     for name in ("distributed", "distributed.worker", "distributed.scheduler", "distributed.nanny"):
         logging.getLogger(name).setLevel(logging.ERROR)
