@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.paradigms import GROUPINGS, WARMUP, run_config, workload
+from benchmarks.paradigms import GROUPINGS, WARMUP, rotated, run_config, workload
 from pivotrl.runtime.metrics import shift_phase
 
 ROLES = ("rollout", "reward", "train")
@@ -187,8 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     configs += [("shiftable", "shiftable", None, 0), ("shiftable_async", "shiftable", None, 1)]
     runs: dict[str, list[Any]] = {name: [] for name, *_ in configs}
     for rep in range(max(1, args.repeats)):
-        shift = rep % len(configs)
-        for name, mode, groups, k in configs[shift:] + configs[:shift]:  # rotated: no config in a fixed slot
+        for name, mode, groups, k in rotated(configs, rep):
             runs[name].append(run_config(cfg, mode, groups, k))
             tps = measured(runs[name][-1])["tokens_per_s_per_device"]
             print(f"real round {rep + 1} {name:<32} {tps:8.1f} tok/s/device", flush=True)

@@ -96,6 +96,13 @@ def workload(quick: bool, storage: Path, model_size: str) -> Any:
 WARMUP = 1  # iterations run but not measured: worker start-up (imports, first loads) is not throughput
 
 
+def rotated(configs: list[Any], round_: int) -> list[Any]:
+    """The configurations in round `round_`'s order: each round starts one later, so none holds a fixed
+    slot (the box's load drifts over a benchmark's minutes)."""
+    k = round_ % len(configs)
+    return configs[k:] + configs[:k]
+
+
 def summarise(res: Any) -> dict[str, Any]:
     rows = res.iterations[WARMUP:]
     per_dev = [r["tokens_per_s_per_device"] for r in rows]
@@ -239,8 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     load = [os.getloadavg()[0]] if hasattr(os, "getloadavg") else []
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name, *_ in configs}
     for rep in range(args.repeats):
-        order = configs[rep % len(configs) :] + configs[: rep % len(configs)]  # rotate: no fixed slot
-        for name, mode, groups, staleness in order:
+        for name, mode, groups, staleness in rotated(configs, rep):
             r = run_mode(cfg, mode, groups, staleness)
             runs[name].append(r)
             if load:
