@@ -47,7 +47,7 @@ def packable(dtype: torch.dtype, native: object | None = None) -> bool:
 class PackedWeight:
     """A Linear weight packed once for no-grad CPU calls.
 
-    With the native kernels (`kernels.py`, `csrc/linear.cpp`; fp32 where built for AVX-512, bf16 for
+    With the native kernels (`kernels.py`, `csrc/kernels_impl.h`; fp32 on AVX-512 and AVX2, bf16 on
     AVX512-BF16): our own packing and matmul, faster than oneDNN's on decode-sized batches (no per-call
     primitive lookup, and it requests the next panels of the weight while it multiplies). Otherwise
     oneDNN's prepacked weight.

@@ -120,3 +120,27 @@ def test_offload_drops_every_packed_copy(debug_model_dir):
     assert "_plan_cache" not in model.__dict__
     assert not any("_packed" in m.__dict__ for m in model.modules())
     assert all(f._state is None for m in model.modules() for f in vars(m).values() if hasattr(f, "_state"))
+
+
+@needs_native
+def test_every_vector_path_takes_the_native_fp32_matmul(kernel_isa):
+    # AVX-512 and AVX2 both run their own fp32 matmul (faster than oneDNN's at decode sizes, docs/engine.md);
+    # only the scalar path leaves fp32 to oneDNN.
+    assert bool(NATIVE.has_linear_fp32()) is (kernel_isa != "scalar")
+    w = torch.randn(40, 64)
+    assert (PackedWeight(w, NATIVE).native is NATIVE) is (kernel_isa != "scalar")
+
+
+@needs_native
+@pytest.mark.parametrize("seed", range(12))
+def test_native_fp32_linear_on_random_shapes(seed, kernel_isa):
+    # Shapes drawn, not chosen: every row-block size, short and long K (the K steps that request the next
+    # panels and those that do not run in separate loops), ragged N.
+    gen = torch.Generator().manual_seed(seed)
+    m, k, n = (int(torch.randint(lo, hi, (), generator=gen)) for lo, hi in ((1, 70), (1, 1100), (1, 200)))
+    x = torch.randn(m, k, generator=gen)
+    w = torch.randn(n, k, generator=gen) / k**0.5
+    b = torch.randn(n, generator=gen)
+    got = NATIVE.linear(x, NATIVE.pack_linear(w), b, n)
+    ref = F.linear(x.double(), w.double(), b.double())
+    assert (got.double() - ref).abs().max().item() <= 1e-5 * (ref.abs().max().item() + 1.0)

@@ -59,10 +59,8 @@ Active make(const std::string& name) {
     if (cpu_has_avx512bf16()) a.table.linear_bf16 = pivotrl::avx512bf16_linear();
     a.linear_bf16 = a.table.linear_bf16 != nullptr;
   } else if (name == "avx2") {
-    // Its matmul computes packed weights, but oneDNN's AVX2 one was faster on decode-sized calls
-    // (M = 8..32, K = 384..1024: ours 0.54-0.77x, interleaved in one process), so oneDNN keeps them.
     a.table = pivotrl::avx2_kernels();
-    a.linear_fp32 = false;
+    a.linear_fp32 = true;  // 1.06-2.2x oneDNN's AVX2 matmul at M = 1..96, level at prefill sizes (docs/engine.md)
   } else {
     a.table = pivotrl::scalar_kernels();  // its matmul only keeps packed weights computing (not preferred)
   }
