@@ -679,7 +679,8 @@ void block(const float* x, int64_t ldx, const float* wp, int64_t steps, const fl
   __m256 a0[MR], a1[MR];
 #pragma GCC unroll 8
   for (int m = 0; m < MR; ++m) a0[m] = a1[m] = _mm256_setzero_ps();
-  const int64_t ahead = std::min<int64_t>(steps, (next_bytes + 63) / 64);  // one line requested per step
+  // One line requested per step; none by the row blocks after the first (they get no `next`).
+  const int64_t ahead = next == nullptr ? 0 : std::min<int64_t>(steps, (next_bytes + 63) / 64);
   int64_t s = 0;
   for (; s < ahead; ++s) {
     panel_step<MR>(x + s, ldx, wp + s * kLanes, a0, a1);
