@@ -60,7 +60,7 @@ Active make(const std::string& name) {
     a.linear_bf16 = a.table.linear_bf16 != nullptr;
   } else if (name == "avx2") {
     a.table = pivotrl::avx2_kernels();
-    a.linear_fp32 = true;  // 1.06-2.2x oneDNN's AVX2 matmul at M = 1..96, level at prefill sizes (docs/engine.md)
+    a.linear_fp32 = true;  // 1.1-2.2x oneDNN's AVX2 matmul at M <= 32, level from 48 to 1024 (docs/engine.md)
   } else {
     a.table = pivotrl::scalar_kernels();  // its matmul only keeps packed weights computing (not preferred)
   }
