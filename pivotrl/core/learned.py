@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pivotrl.core.iteration import IterationProfile, RoleProfile
+from pivotrl.core.throughput import checked_prefill_statistics
 from pivotrl.core.types import Role
 
 if TYPE_CHECKING:
@@ -68,10 +69,7 @@ def _fit(f: dict[str, Any]) -> dict[str, Any]:
            "s": [float(x) for x in f["s"]][:5], "kx": [float(x) for x in f["kx"]][:2],
            "samples": int(f["samples"])}
     if "pf" in f:  # the prefill estimate (absent from checkpoints written before it)
-        pf = [float(x) for x in f["pf"]]
-        if len(pf) != 2:
-            raise ValueError(f"prefill statistics: 2 values, got {len(pf)}")
-        out["pf"] = pf
+        out["pf"] = checked_prefill_statistics(f["pf"])
     return out
 
 

@@ -14,6 +14,7 @@ from a copy of it (`ThroughputModel.spawn`), so it is not assumed to be the cold
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 _MIN_A = 1e-6
@@ -87,10 +88,8 @@ class ThroughputModel:
         """The prefill estimate's weighted sums, for a checkpoint."""
         return list(self._pf)
 
-    def restore_prefill_statistics(self, pf: list[float]) -> None:
-        if len(pf) != 2:
-            raise ValueError(f"prefill statistics: 2 values, got {len(pf)}")
-        self._pf = [float(x) for x in pf]
+    def restore_prefill_statistics(self, pf: Iterable[float]) -> None:
+        self._pf = checked_prefill_statistics(pf)
 
     def _refit(self) -> None:
         s0, s1, s2, s3, s4 = self._s
@@ -149,3 +148,12 @@ class ThroughputModel:
     def peak_rate(self) -> float:
         """Tokens/s as concurrency grows without bound (1/b)."""
         return 1.0 / self.b
+
+
+def checked_prefill_statistics(pf: Iterable[float]) -> list[float]:
+    """`pf` as the prefill estimate's two weighted sums (seconds, tokens), or ValueError: the one check of a
+    checkpoint's `pf`, whether it is read or restored."""
+    values = [float(x) for x in pf]
+    if len(values) != 2:
+        raise ValueError(f"prefill statistics: 2 values, got {len(values)}")
+    return values
