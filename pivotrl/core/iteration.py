@@ -247,6 +247,13 @@ class IterationChoice:
         of the best one simulated. One shared scale hides that difference."""
         return self.predicted_s["static"] / max(self.scale, 1e-12) < self.predicted_s["dynamic"]
 
+    def opens_colocated(self) -> bool:
+        """Is colocated predicted faster than the best static split? Then the iteration opens with every
+        device on the first stage, as colocated does. Both predictions come from the same stage model and
+        share the scale, so their ranking is the model's most reliable one; the dynamic prediction, a
+        fluid bound, takes no part."""
+        return self.predicted_s["colocated"] < self.predicted_s["static"]
+
     def as_dict(self) -> dict[str, object]:
         return {
             "mode": self.mode,

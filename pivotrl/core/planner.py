@@ -9,7 +9,9 @@ work) to where they would be busy.
 1. Shift-up role u = argmax τ_r, τ_r = W_r / T_r (remaining tokens over current tokens/s; ∞ for a role
    with work and no active replica). If u cannot use a device (a tail of fewer sequences than replicas:
    no candidate clears step 5), the next role in τ order is tried.
-2. Donors: every active, out-of-cooldown replica j of every other role d (and every free device, φ = 0;
+2. Donors: every active, out-of-cooldown replica j of every other role d (an idle replica of a first stage
+   with nothing left to start is out of its cooldown: it cannot get work before the next iteration, so
+   moving it is no churn), and every free device (φ = 0;
    a role with work keeps at least one replica, so no sequence is stranded; a role upstream of u gives
    up only spare capacity; a downstream one no more than keeps its drain time within u's — `keep_limit`),
    with penalty φ_j = shift_duration(d→u)·f_j(n_j)·w_d (work it stops doing while it shifts) +
@@ -130,6 +132,7 @@ def donor_pools(state: ClusterState, views: dict[Role, RoleView], now: float) ->
         pools.append(DonorPool(None, 1, tuple(free), np.zeros(len(free)), np.zeros(len(free))))
     shifted = state.device_shifted_at
     cutoff = now - cfg.cooldown_s
+    first_done = state.plan is not None and state.first_stage_started()
     for role in state.roles:
         view = views[role]
         prefill = cfg.spec(role).prefill_tokens_per_s
@@ -140,12 +143,8 @@ def donor_pools(state: ClusterState, views: dict[Role, RoleView], now: float) ->
             rep = state.by_role[role][rid]
             if rep.state is not ReplicaState.ACTIVE:
                 continue
-            recent = False
-            for dev in rep.devices:
-                if shifted.get(dev, -math.inf) > cutoff:
-                    recent = True
-                    break
-            if recent:
+            done = role is PIPELINE[0] and first_done and rep.n == 0
+            if not done and any(shifted.get(dev, -math.inf) > cutoff for dev in rep.devices):
                 continue
             ids.append(rid)
             lost.append(rep.model.rate(rep.n) * view.weight if rep.running else 0.0)

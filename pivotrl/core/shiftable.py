@@ -15,7 +15,7 @@ from collections.abc import Mapping
 
 from pivotrl.core import planner
 from pivotrl.core.iteration import IterationChoice, IterationProfile, choose
-from pivotrl.core.policies import Colocated, Policy, ShiftPlan, unsubmitted_rollouts
+from pivotrl.core.policies import Colocated, Policy, ShiftPlan
 from pivotrl.core.shiftcost import ShiftCostModel
 from pivotrl.core.state import ClusterState
 from pivotrl.core.types import PIPELINE, Replica, ReplicaState, Role
@@ -83,7 +83,22 @@ class Shiftable(Policy):
             and choice.static_split is not None
             and choice.first_stage_alone_s <= state.config.cooldown_s + choice.handoff_s
         )
-        if (starting and state.replicas and choice is not None and choice.static_split is not None
+        if choice is not None and choice.opens_colocated():
+            # Colocated is predicted faster than any static split: every device starts on the first stage,
+            # as colocated runs it, and the planner moves them on once it is done (its idle replicas leave
+            # their cooldown then: `planner.donor_pools`). Short first stages on warm shifts, where a split
+            # leaves the first stage a few devices for the whole of its long queue
+            # (docs/decisions.md, "An iteration opens colocated where colocated beats every split").
+            if not state.replicas:
+                return self._fill_split(state, {PIPELINE[0]: len(state.device_role)}, "initial:colocated")
+            if starting:
+                if any(r.state is ReplicaState.SHIFTING for r in state.replicas.values()):
+                    self._starting = True
+                    return None
+                moved = toward_split(state, {PIPELINE[0]: len(state.device_role)})
+                if moved is not None:
+                    return ShiftPlan(moved.dissolve, moved.form, "iteration:start-colocated")
+        elif (starting and state.replicas and choice is not None and choice.static_split is not None
                 and (short or choice.split_beats_planner())):
             # A later iteration's start, same reasoning as the first placement below: the first stage alone
             # would be done before devices sent there could come back, so rather than the planner sending
@@ -140,7 +155,7 @@ def return_loans(state: ClusterState, loans: dict[Role, int], now: float,
     (a 6 s train tail on a 14-device draw). A role that already holds its share of `split` (the planner
     moved devices there itself) is owed nothing more. `loans` is decremented by what is given back."""
     first = PIPELINE[0]
-    if len(state.queues[first]) or unsubmitted_rollouts(state, first):
+    if not state.first_stage_started():
         return None
     cutoff = now - state.config.cooldown_s
     idle = [rep for rep in sorted(state.by_role[first].values(), key=lambda r: r.replica_id)

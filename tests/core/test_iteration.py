@@ -258,6 +258,51 @@ def later_start_on_train(policy: Shiftable) -> Controller:
     return ctl
 
 
+def slow_colocated(choice: IterationChoice) -> dict[str, float]:
+    """`choice`'s predictions with colocated slower than the static split, so the iteration does not open
+    colocated (`IterationChoice.opens_colocated`)."""
+    return with_colocated(choice, faster=False).predicted_s
+
+
+def with_colocated(choice: IterationChoice, faster: bool) -> IterationChoice:
+    """`choice` with colocated predicted at half the static split's time, or at twice it."""
+    static = choice.predicted_s["static"]
+    colocated = 0.5 * static if faster else 2.0 * static + 1.0
+    return dataclasses.replace(choice, predicted_s={**choice.predicted_s, "colocated": colocated})
+
+
+def test_an_iteration_opens_colocated_exactly_when_colocated_beats_the_split() -> None:
+    """Colocated predicted faster than the static split: the first placement puts every device on the first
+    stage, and so does a later iteration's start; predicted slower: neither does."""
+    for faster in (True, False):
+        roles = {r: RoleSpec(max_seqs=64, kv_tokens=10**6) for r in PIPELINE}
+        policy = Shiftable()
+        ctl = Controller(policy, devices=[f"d{i}" for i in range(8)],
+                         config=ControllerConfig(roles=roles, cooldown_s=1.0))
+        ctl.begin_iteration(IterationPlan(0, rollout_seqs=48, group_size=4, rollout_tokens_per_seq=8), 0.0)
+        assert policy.choice is not None
+        policy.choice = with_colocated(policy.choice, faster)
+        assert policy.choice.opens_colocated() is faster
+        dec = ctl.tick(0.0)
+        assert dec is not None
+        placed = {r: sum(len(s.devices) for s in dec.shifts if s.to_role is r) for r in PIPELINE}
+        if faster:
+            assert dec.stimulus == "initial:colocated" and placed[Role.ROLLOUT] == 8
+        else:
+            assert dec.stimulus != "initial:colocated" and placed[Role.ROLLOUT] < 8
+
+        later = Shiftable()
+        ctl = later_start_on_train(later)
+        assert later.choice is not None
+        later.choice = with_colocated(later.choice, faster)
+        dec = ctl.tick(2.0)
+        if faster:
+            assert dec is not None and dec.stimulus == "iteration:start-colocated"
+            assert {s.to_role for s in dec.shifts} == {Role.ROLLOUT} and len(dec.shifts) == 6
+        else:
+            assert dec is None or dec.stimulus != "iteration:start-colocated"
+
+
 def test_a_later_iteration_starts_on_the_static_split_when_the_first_stage_is_short() -> None:
     """At a later iteration's start, with the first stage alone shorter than a cooldown plus a shift, the
     allocation moves toward the predicted split (not every device to the first stage and back)."""
@@ -265,7 +310,8 @@ def test_a_later_iteration_starts_on_the_static_split_when_the_first_stage_is_sh
     ctl = later_start_on_train(policy)
     choice = policy.choice
     assert choice is not None and choice.static_split is not None
-    policy.choice = dataclasses.replace(choice, first_stage_alone_s=0.0)   # short, whatever was predicted
+    policy.choice = dataclasses.replace(choice, first_stage_alone_s=0.0,   # short, whatever was predicted
+                                        predicted_s=slow_colocated(choice))
     dec = ctl.tick(2.0)
     assert dec is not None and dec.stimulus == "iteration:start-static"
     moved = {r: sum(len(s.devices) for s in dec.shifts if s.to_role is r) for r in PIPELINE}
@@ -719,7 +765,7 @@ def test_a_later_iteration_opens_on_the_split_when_it_beats_the_planners_record(
         assert choice is not None and choice.static_split is not None
         dyn = choice.predicted_s["static"] / choice.scale * (1.5 if beats else 0.5)
         policy.choice = dataclasses.replace(choice, first_stage_alone_s=1e9,   # long, not short
-                                            predicted_s={**choice.predicted_s, "dynamic": dyn})
+                                            predicted_s={**slow_colocated(choice), "dynamic": dyn})
         dec = ctl.tick(2.0)
         if beats:
             assert dec is not None and dec.stimulus == "iteration:start-opening"

@@ -132,13 +132,17 @@ def _brute_force(stt: ClusterState, costs: ShiftCostModel, now: float, u: Role) 
     cfg = stt.config
     views = role_views(stt, cfg.horizon_s, now)
     donors: list[tuple[Role | None, int, float]] = [(None, 1, 0.0) for _ in stt.free_devices()]
+    # the first stage has nothing left to start this iteration: its idle replicas are out of their cooldown
+    first_done = (stt.plan is not None and not stt.queues[Role.ROLLOUT]
+                  and stt.submitted[Role.ROLLOUT] >= stt.plan.rollout_seqs)
     for d in stt.roles:
         if d is u:
             continue
         for rep in stt.by_role[d].values():
             if rep.state is not ReplicaState.ACTIVE:
                 continue
-            if any(now - stt.device_shifted_at[x] < cfg.cooldown_s for x in rep.devices):
+            exempt = d is Role.ROLLOUT and first_done and not rep.running
+            if not exempt and any(now - stt.device_shifted_at[x] < cfg.cooldown_s for x in rep.devices):
                 continue
             donors.append((d, views[d].g, donor_penalty(rep, views[d], costs, u,
                                                        cfg.spec(d).prefill_tokens_per_s, views)))
@@ -297,6 +301,23 @@ def test_cooldown_protects_recently_shifted_devices() -> None:
     assert res.chosen is None
     res = plan(stt, ShiftCostModel(prior_s=1.0), 1.5)
     assert res.chosen is not None
+
+
+@pytest.mark.parametrize("announced", [2, 3])
+def test_an_idle_first_stage_replica_leaves_its_cooldown_once_every_rollout_started(announced: int) -> None:
+    """Within the cooldown of their placement: with every rollout of the plan started (2 of 2), the idle
+    rollout replicas may move, the two still decoding may not; with one rollout still to come (2 of 3),
+    the cooldown holds for all."""
+    stt = _tail_state(now=0.5)
+    stt.plan = IterationPlan(0, rollout_seqs=announced, group_size=1, rollout_tokens_per_seq=1500)
+    stt.submitted[Role.ROLLOUT] = 2
+    res = plan(stt, ShiftCostModel(prior_s=1.0), 0.5)
+    if announced == 3:
+        assert res.chosen is None
+        return
+    assert res.chosen is not None and res.to_role is Role.REWARD
+    donors = [stt.replicas[d.replica_id] for d in res.donors]
+    assert donors and all(r.role is Role.ROLLOUT and r.n == 0 for r in donors)
 
 
 def test_hysteresis_blocks_marginal_shifts() -> None:
