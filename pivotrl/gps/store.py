@@ -20,18 +20,16 @@ import json
 import os
 import threading
 import time
-import uuid
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from typing import TYPE_CHECKING, Literal
 
-import numpy as np
 import torch
 
 from pivotrl.gps import layout
 from pivotrl.gps.arena import ReadArena
-from pivotrl.gps.backend import Backend, LocalBackend, make_backend
+from pivotrl.gps.backend import Backend, make_backend
 from pivotrl.gps.device_tier import DeviceTier, nbytes_of
 from pivotrl.gps.errors import IntegrityError, NotFoundError, VersionExistsError, WriteBehindError
 from pivotrl.gps.manifest import (
@@ -43,85 +41,14 @@ from pivotrl.gps.manifest import (
     validate_version,
     version_dir,
 )
+from pivotrl.gps.packed import move_packed, packed_clone
+from pivotrl.gps.retention import retire_version, sweep_model
 
 if TYPE_CHECKING:
     from pivotrl.config import GPSConfig
     from pivotrl.gps.peer import PeerSource
 
 VersionSpec = int | Literal["latest"]
-
-
-def move_packed(tensors: Mapping[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    """Copy tensors to `device` with one transfer per dtype instead of one per tensor.
-
-    Tensors of one dtype are packed into one contiguous staging buffer (a no-op reuse when they already are
-    views of one packed buffer, as fetched tensors are), copied in one `copy_`, and re-viewed on the device:
-    ~200 small host-to-device copies would each pay a launch and a sync. The result never aliases the input.
-    """
-    groups: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
-    for n, t in tensors.items():
-        groups.setdefault(t.dtype, []).append((n, t))
-    out: dict[str, torch.Tensor] = {}
-    for dtype, items in groups.items():
-        flat = _packed_source(items)
-        if flat is None:
-            flat = (
-                torch.cat([t.detach().reshape(-1) for _, t in items])
-                if items
-                else torch.empty(0, dtype=dtype)
-            )
-        moved = torch.empty(flat.numel(), dtype=dtype, device=device)
-        moved.copy_(flat, non_blocking=flat.device.type == "cpu" and flat.is_pinned())
-        off = 0
-        for n, t in items:
-            out[n] = moved[off : off + t.numel()].view(t.shape)
-            off += t.numel()
-    return {n: out[n] for n in tensors}
-
-
-def _packed_source(items: list[tuple[str, torch.Tensor]]) -> torch.Tensor | None:
-    """The 1-D view spanning `items` when they are contiguous, back to back, in one storage; else None."""
-    if not items:
-        return None
-    first = items[0][1]
-    storage, start = first.untyped_storage().data_ptr(), first.storage_offset()
-    pos = start
-    for _, t in items:
-        if not t.is_contiguous() or t.untyped_storage().data_ptr() != storage or t.storage_offset() != pos:
-            return None
-        pos += t.numel()
-    return first.detach().as_strided((pos - start,), (1,), start)
-
-
-def packed_clone(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Copy CPU tensors into one fresh numpy-allocated buffer (one 64-byte aligned region per dtype).
-
-    Why not `Tensor.clone()`: numpy asks the kernel for transparent huge pages on large allocations, torch's
-    CPU allocator does not; first-touching 256 MB of 4 KiB pages costs more than the copy itself (the
-    benchmark's device-tier hit went from slower than a disk read to several times faster).
-    """
-    groups: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
-    for n, t in tensors.items():
-        if t.device.type != "cpu":
-            raise ValueError("packed_clone takes CPU tensors")
-        groups.setdefault(t.dtype, []).append((n, t))
-    out: dict[str, torch.Tensor] = {}
-    sizes = {d: torch.empty((), dtype=d).element_size() for d in groups}
-    spans = {d: -(-sum(t.numel() for _, t in items) * sizes[d] // 64) * 64 for d, items in groups.items()}
-    whole = torch.from_numpy(np.empty(sum(spans.values()), dtype=np.uint8))  # one allocation, as for fetch
-    base = 0
-    for dtype, items in groups.items():
-        size = sizes[dtype]
-        flat = whole[base : base + spans[dtype]]
-        base += spans[dtype]
-        off = 0
-        for n, t in items:
-            nb = t.numel() * size
-            dst = flat[off : off + nb].view(dtype).view(t.shape)
-            dst.copy_(t)
-            out[n] = dst
-            off += nb
-    return {n: out[n] for n in tensors}
 
 
 PINS_DIR = ".pins"
@@ -599,50 +526,14 @@ class ParameterStore:
         return doomed
 
     def _retire(self, backend: Backend, model: str, version: int) -> None:
-        path = backend.join(model, version_dir(version))
-        if backend.exists(path):
-            trash = backend.join(model, f".trash-{version_dir(version)}-{uuid.uuid4().hex[:8]}")
-            with contextlib.suppress(FileNotFoundError):
-                backend.retire_dir(path, trash, f"{path}/zarr.json")
+        retire_version(backend, model, version)
 
     def sweep(self, model: str) -> int:
-        """Remove leftovers of crashed writers and interrupted gc runs; returns how many were removed.
-
-        Never touches committed data, nor a data prefix whose writer process is still alive on this host
-        (or, for another host's writer, younger than `stale_after_s`).
-        """
+        """Remove leftovers of crashed writers and interrupted gc runs in every tier; returns how many were
+        removed (`pivotrl.gps.retention.sweep_model`)."""
         validate_model_name(model)
-        removed = 0
         now = time.time()
-        for _, backend in self._tiers():
-            mdir = backend.join(model)
-            for name in backend.list_dir(mdir):
-                path = f"{mdir}/{name}"
-                if name.startswith(".trash-"):
-                    backend.remove_tree(path)
-                    removed += 1
-                    continue
-                v = parse_version_dir(name)
-                if v is None:
-                    continue
-                keep = None
-                with contextlib.suppress(FileNotFoundError, ValueError, KeyError):
-                    keep = layout.read_manifest(backend, model, v).data_id
-                for child in backend.list_dir(path):
-                    cpath = f"{path}/{child}"
-                    if child.startswith("d-") and child != keep:
-                        if not layout.writer_is_alive(child, now, backend.mtime(cpath), self.stale_after_s):
-                            backend.remove_tree(cpath)
-                            removed += 1
-                    elif ".tmp-" in child:
-                        mt = backend.mtime(cpath)
-                        if mt is not None and now - mt > 60:
-                            backend.remove_file(cpath)
-                            removed += 1
-                if keep is None and isinstance(backend, LocalBackend):
-                    with contextlib.suppress(OSError):
-                        os.rmdir(path)  # only succeeds when empty: never races a writer's data
-        return removed
+        return sum(sweep_model(backend, model, now, self.stale_after_s) for _, backend in self._tiers())
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:

@@ -22,6 +22,7 @@ from typing import Any
 from pivotrl.core.locality import FetchTier, Holder, Tier
 from pivotrl.gps.errors import NotFoundError
 from pivotrl.gps.manifest import Manifest
+from pivotrl.gps.packed import packed_clone
 from pivotrl.gps.peer import (
     Committed,
     PeerLost,
@@ -33,7 +34,6 @@ from pivotrl.gps.peer import (
     pull,
     replicate,
 )
-from pivotrl.gps.store import packed_clone
 
 logger = logging.getLogger(__name__)
 

@@ -152,7 +152,7 @@ def test_store_from_pipeline_config(tmp_path):
 
 
 def test_move_packed_moves_one_buffer_per_dtype_and_never_aliases(tmp_path):
-    from pivotrl.gps.store import _packed_source, move_packed
+    from pivotrl.gps.packed import _packed_source, move_packed
 
     sd = {
         "a": torch.randn(3, 4),
