@@ -12,10 +12,10 @@ fitted step-time line and prefill rate per role (`Controller.snapshot()["step_fi
 per device (train busy seconds over trained tokens), the measured shift time into each role, the driver's
 barrier (optimizer step + publish), the control plane's part of it (from the last train item to the next
 iteration's first request, less that step) and each rollout device's weight sync per iteration. The
-simulator then runs each configuration with that profile. Both sides are measured the same way: the median
-over measured iterations of the time from one iteration's completion to the next's, and tokens/s per
-device is the real run's mean tokens per iteration over it; the real figure is the median over the
-rounds. `max_abs_error` is the largest |sim / real − 1| over the paradigms; printed last.
+simulator then runs each configuration with that profile. Both sides are measured the same way: the mean
+over measured iterations of the time from one iteration's completion to the next's (a window: with
+staleness, short and long iterations alternate), and tokens/s per device is the real run's mean tokens
+per iteration over it; the real figure is the median over the rounds. `max_abs_error` is the largest |sim / real − 1| over the paradigms; printed last.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def measured(res: Any) -> dict[str, Any]:
     return {"iteration_s": statistics.median(secs), "iteration_s_each": secs, "device_s_per_iteration": dev,
             "apply_s": statistics.median(float(r.get("train_apply_s", 0.0)) for r in rows),
             "tokens_per_iteration": statistics.mean(tokens),
-            "tokens_per_s_per_device": statistics.mean(tokens) / statistics.median(secs) / res.devices}
+            "tokens_per_s_per_device": sum(tokens) / sum(secs) / res.devices}
 
 
 def control_s(runs: list[Any]) -> float:
@@ -158,11 +158,12 @@ def simulated(sim_cfg: Any, mode: str, split: dict[str, int] | None, tokens_per_
     ends = [it["start_s"] + it["total_s"] for it in r.iterations]
     secs = [b - a for a, b in itertools.pairwise(ends)]
     s = statistics.median(secs)
+    window = statistics.mean(secs)  # a window's throughput, as the real side (`paradigms.window_throughput`)
     # busy device-seconds per role per iteration, the real runs' `device_s_per_iteration` counterpart
     busy = {role: r.busy_device_s.get(role, 0.0) / max(len(r.iterations), 1) for role in ROLES}
     return {"iteration_s": s, "iteration_s_each": secs, "finished": r.finished,
             "device_s_per_iteration": busy,
-            "tokens_per_s_per_device": tokens_per_iteration / s / sim_cfg.cluster.devices}
+            "tokens_per_s_per_device": tokens_per_iteration / window / sim_cfg.cluster.devices}
 
 
 def main(argv: list[str] | None = None) -> int:
