@@ -15,7 +15,8 @@ iteration's first request, less that step) and each rollout device's weight sync
 simulator then runs each configuration with that profile. Both sides are measured the same way: the mean
 over measured iterations of the time from one iteration's completion to the next's (a window: with
 staleness, short and long iterations alternate), and tokens/s per device is the real run's mean tokens
-per iteration over it; the real figure is the median over the rounds. `max_abs_error` is the largest |sim / real − 1| over the paradigms; printed last.
+per iteration over it; the real figure is the median over the rounds. `max_abs_error` is the largest
+|sim / real − 1| over the paradigms; printed last.
 """
 
 from __future__ import annotations
