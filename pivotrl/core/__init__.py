@@ -4,6 +4,7 @@ Drivers use `Controller`; see docs/core-api.md.
 """
 
 from pivotrl.core.controller import Controller
+from pivotrl.core.decision import Assignment, Candidate, Decision, DeviceMove, PlanReasoning, ReplicaShift
 from pivotrl.core.modes import make_policy
 from pivotrl.core.policies import (
     Colocated,
@@ -20,15 +21,9 @@ from pivotrl.core.shiftable import Shiftable
 from pivotrl.core.throughput import ThroughputModel
 from pivotrl.core.types import (
     PIPELINE,
-    Assignment,
-    Candidate,
     ControllerConfig,
-    Decision,
-    DeviceMove,
     IterationPlan,
-    PlanReasoning,
     Replica,
-    ReplicaShift,
     ReplicaState,
     Role,
     RoleSpec,

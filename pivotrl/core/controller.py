@@ -13,6 +13,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from pivotrl.core import dispatcher
+from pivotrl.core.decision import Assignment, Decision, DeviceMove, PlanReasoning, ReplicaShift
 from pivotrl.core.iteration import IterationMeter, IterationProfile
 from pivotrl.core.modes import make_policy
 from pivotrl.core.policies import Policy, ShiftPlan
@@ -20,14 +21,9 @@ from pivotrl.core.shiftcost import ShiftCostModel
 from pivotrl.core.state import ClusterState
 from pivotrl.core.types import (
     PIPELINE,
-    Assignment,
     ControllerConfig,
-    Decision,
-    DeviceMove,
     IterationPlan,
-    PlanReasoning,
     Replica,
-    ReplicaShift,
     ReplicaState,
     Role,
     RoleSpec,

@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import heapq
 
+from pivotrl.core.decision import Assignment
 from pivotrl.core.state import ClusterState
-from pivotrl.core.types import Assignment, Replica, Role, Sequence
+from pivotrl.core.types import Replica, Role, Sequence
 
 
 def dispatch_role(state: ClusterState, role: Role) -> list[Assignment]:

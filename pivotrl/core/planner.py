@@ -51,9 +51,10 @@ from dataclasses import dataclass, field
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
+from pivotrl.core.decision import Candidate, PlanReasoning
 from pivotrl.core.shiftcost import ShiftCostModel
 from pivotrl.core.state import ClusterState
-from pivotrl.core.types import PIPELINE, Candidate, PlanReasoning, Replica, ReplicaState, Role
+from pivotrl.core.types import PIPELINE, Replica, ReplicaState, Role
 from pivotrl.core.views import RoleView, critical_delay, drain_value, keep_limit, role_views, tau
 
 __all__ = ["Donor", "DonorPool", "PlanResult", "RoleView", "critical_delay", "donor_penalty", "donor_pools",

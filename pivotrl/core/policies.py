@@ -18,9 +18,10 @@ import math
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
+from pivotrl.core.decision import PlanReasoning
 from pivotrl.core.shiftcost import ShiftCostModel
 from pivotrl.core.state import ClusterState
-from pivotrl.core.types import PIPELINE, PlanReasoning, ReplicaState, Role
+from pivotrl.core.types import PIPELINE, ReplicaState, Role
 
 
 @dataclass(frozen=True)

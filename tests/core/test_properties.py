@@ -9,7 +9,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pivotrl.core import Controller, ControllerConfig, IterationPlan, Role, RoleSpec, Sequence, ShiftTimings
-from pivotrl.core.types import Decision, ReplicaState, SeqState
+from pivotrl.core.decision import Decision
+from pivotrl.core.types import ReplicaState, SeqState
 
 from ._hyp import CI
 

@@ -10,7 +10,7 @@ import math
 import pytest
 
 from pivotrl.core import Controller, ControllerConfig, IterationPlan, Role, RoleSpec
-from pivotrl.core.types import Candidate, Decision, DeviceMove, PlanReasoning, ReplicaShift
+from pivotrl.core.decision import Candidate, Decision, DeviceMove, PlanReasoning, ReplicaShift
 from pivotrl.runtime.dashboard import ROLE_LABELS, page, page_data, render
 from pivotrl.runtime.messages import IterationReport
 from pivotrl.runtime.records import DecisionRecord, IterationMark, MoveRecord, PageData, learning_curve
