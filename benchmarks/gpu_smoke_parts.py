@@ -170,7 +170,8 @@ def train_step(device: str, work: Path) -> dict:
     import torch
 
     from pivotrl.engines.checkpoints import PAD_ID, from_pretrained
-    from pivotrl.engines.trainer import GRPOTrainer, TrainSample
+    from pivotrl.engines.grpo_loss import TrainSample
+    from pivotrl.engines.trainer import GRPOTrainer
 
     model = from_pretrained(_model_dir(work, "debug"), device=device, dtype=torch.float32)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -220,7 +221,8 @@ def train_group_step(device: str, work: Path) -> dict:
 
     from pivotrl.core.train_group import decide_group
     from pivotrl.engines.checkpoints import PAD_ID, from_pretrained
-    from pivotrl.engines.trainer import GRPOTrainer, TrainSample
+    from pivotrl.engines.grpo_loss import TrainSample
+    from pivotrl.engines.trainer import GRPOTrainer
     from pivotrl.gps import ParameterStore
     from pivotrl.runtime.train_group import TrainRank, backend_for, form_group
 

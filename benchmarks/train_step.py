@@ -64,7 +64,7 @@ def make_sum(policy: str, version: int, gps: dict[str, Any], name: str, seed: in
     import torch
     from distributed import get_worker
 
-    from pivotrl.engines.trainer import GradSum
+    from pivotrl.engines.grpo_loss import GradSum
 
     torch.set_num_threads(1)
     man = _worker_store(gps).manifest(policy, version)

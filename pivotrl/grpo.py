@@ -136,7 +136,7 @@ class PolicyUpdater:
     def apply(self, grads: Sequence[Any], iteration: int) -> int:
         """One optimizer step over `grads` (`GradResult`s, each a local gradient sum of some replica);
         returns the policy version after it (unchanged when nothing was learnt or the step was skipped)."""
-        from pivotrl.engines.trainer import GradSum, reduce
+        from pivotrl.engines.grpo_loss import GradSum, reduce
 
         if self.first_step_at is None:
             self.first_step_at = time.monotonic()

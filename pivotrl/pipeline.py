@@ -236,7 +236,7 @@ class AdvantageStage(Stage):
     name, per_group = "advantage", True
 
     def run(self, samples: list[Sample], ctx: StageContext) -> None:
-        from pivotrl.engines.trainer import compute_advantages
+        from pivotrl.engines.grpo_loss import compute_advantages
 
         advs = compute_advantages([float(s.reward or 0.0) for s in samples], [s.group for s in samples])
         for s, a in zip(samples, advs):

@@ -300,7 +300,7 @@ class TrainContext(_Weights):
         return max(0, self.max_batch - len(self.queue))
 
     def step(self) -> tuple[list[ItemResult], StepSample | None]:
-        from pivotrl.engines.trainer import LossConfig, TrainSample, compute_grad_sum
+        from pivotrl.engines.grpo_loss import LossConfig, TrainSample, compute_grad_sum
 
         batch, self.queue = self.queue[: self.micro_batch], self.queue[self.micro_batch :]
         samples = []

@@ -34,7 +34,8 @@ from typing import Any
 import torch
 
 from pivotrl.core.train_group import TrainGroupPlan, owner_buckets, shard_ranges
-from pivotrl.engines.trainer import GradSum, GRPOTrainer, StepStats, prepare_step, reduce
+from pivotrl.engines.grpo_loss import GradSum, reduce
+from pivotrl.engines.trainer import GRPOTrainer, StepStats, prepare_step
 from pivotrl.gps import shards
 from pivotrl.runtime.shm_exchange import ShmExchange
 

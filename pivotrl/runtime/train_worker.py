@@ -140,7 +140,7 @@ def run_rank_step(job: RankStep, host: str | None = None) -> dict[str, Any]:
 def _step(job: RankStep, store: Any, host: str | None) -> dict[str, Any]:
     import contextlib
 
-    from pivotrl.engines.trainer import GradSum
+    from pivotrl.engines.grpo_loss import GradSum
 
     t_form = time.perf_counter()
     held = _RANKS.get(job.policy)

@@ -9,14 +9,14 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from pivotrl.engines.trainer import (
-    GRPOTrainer,
+from pivotrl.engines.grpo_loss import (
     TrainSample,
     compute_advantages,
     compute_grad_sum,
     reduce,
     token_logprobs,
 )
+from pivotrl.engines.trainer import GRPOTrainer
 
 VOCAB = 24
 PAD = 0
@@ -92,7 +92,7 @@ def test_elastic_gradient_equals_single_replica(replicas):
 
 
 def _loss():
-    from pivotrl.engines.trainer import LossConfig
+    from pivotrl.engines.grpo_loss import LossConfig
 
     return LossConfig(clip_eps=0.2, kl_coef=0.0)
 

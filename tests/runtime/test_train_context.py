@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pivotrl.engines.checkpoints import from_pretrained, load_state_dict
-from pivotrl.engines.trainer import LossConfig, TrainSample, compute_grad_sum
+from pivotrl.engines.grpo_loss import LossConfig, TrainSample, compute_grad_sum
 from pivotrl.runtime.messages import GradResult, WorkItem
 from pivotrl.runtime.roles import TrainContext
 

@@ -15,7 +15,8 @@ import torch
 from torch import distributed as dist
 
 from pivotrl.core.train_group import TrainGroupPlan, decide_group
-from pivotrl.engines.trainer import GRPOTrainer, compute_grad_sum, reduce
+from pivotrl.engines.grpo_loss import compute_grad_sum, reduce
+from pivotrl.engines.trainer import GRPOTrainer
 from pivotrl.gps import NotFoundError, ParameterStore
 from pivotrl.runtime.shm_exchange import ENV_SWITCH, SHM_DIR
 from pivotrl.runtime.train_group import TrainGroupLost, TrainRank, form_group
@@ -229,7 +230,7 @@ def test_a_shared_memory_too_small_for_one_rank_keeps_every_rank_on_the_process_
 
 
 def test_a_handed_over_sum_is_taken_once_and_only_at_its_version() -> None:
-    from pivotrl.engines.trainer import GradSum
+    from pivotrl.engines.grpo_loss import GradSum
     from pivotrl.runtime.handover import hand_over, take
 
     gs = GradSum(grads={"w": torch.ones(2)}, tokens=3)

@@ -14,7 +14,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from pivotrl.engines.checkpoints import PAD_ID, create_model, from_pretrained
-from pivotrl.engines.trainer import GradSum, compute_grad_sum, reduce
+from pivotrl.engines.grpo_loss import GradSum, compute_grad_sum, reduce
 from pivotrl.gps import ParameterStore
 from pivotrl.grpo import make_trainer
 from pivotrl.runtime.messages import GradResult, GradStats
