@@ -109,8 +109,9 @@ def window_throughput(tokens: list[float], per_device: list[float]) -> float:
     of the per-iteration figures: with staleness, iterations alternate between short ones, whose rollouts
     ran during the one before, and long ones (1.0 s with 13k tokens, then 2.0 s with 32k, on this
     workload), and the median of an odd count of them picks one kind."""
-    device_s = sum(t / r for t, r in zip(tokens, per_device, strict=True) if r > 0)
-    return sum(tokens) / device_s if device_s > 0 else 0.0
+    timed = [(t, r) for t, r in zip(tokens, per_device, strict=True) if r > 0]
+    device_s = sum(t / r for t, r in timed)
+    return sum(t for t, _ in timed) / device_s if device_s > 0 else 0.0
 
 
 def summarise(res: Any) -> dict[str, Any]:

@@ -29,3 +29,8 @@ def test_the_window_is_total_tokens_over_total_time_and_lies_between_its_iterati
     got = window_throughput(tokens, per_device)
     assert got == pytest.approx(sum(tokens) / sum(s for _, s in rows) / devices, rel=1e-9)
     assert min(per_device) * (1 - 1e-9) <= got <= max(per_device) * (1 + 1e-9)
+
+
+def test_an_untimed_iteration_adds_neither_tokens_nor_time() -> None:
+    assert window_throughput([100.0, 5_000.0], [0.0, 50.0]) == pytest.approx(50.0)
+    assert window_throughput([100.0], [0.0]) == 0.0
