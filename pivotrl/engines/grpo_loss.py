@@ -18,7 +18,6 @@ Loss per response token t of sample i (PPO-style clipped surrogate with group-no
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -26,9 +25,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-
-log = logging.getLogger(__name__)
-
 
 # ----------------------------------------------------------------------------------------------------
 # Advantages
