@@ -81,8 +81,7 @@ def role_has_work(state: ClusterState, role: Role) -> bool:
 def unsubmitted_rollouts(state: ClusterState, role: Role) -> bool:
     """Is `role` the rollout stage with rollouts the iteration plan announced but the driver has not
     submitted yet? (Any other stage's future work needs its upstream stages to run first.)"""
-    plan = state.plan
-    return role is PIPELINE[0] and plan is not None and plan.rollout_seqs > state.submitted[PIPELINE[0]]
+    return role is PIPELINE[0] and state.rollouts_unsubmitted()
 
 
 class Colocated(Policy):

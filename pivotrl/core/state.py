@@ -59,13 +59,16 @@ class ClusterState:
         self.submitted: dict[Role, int] = dict.fromkeys(self.roles, 0)
         self.finished: dict[Role, int] = dict.fromkeys(self.roles, 0)
 
+    def rollouts_unsubmitted(self) -> bool:
+        """Has the iteration plan announced rollouts that the driver has not submitted yet?"""
+        return self.plan is not None and self.plan.rollout_seqs > self.submitted[PIPELINE[0]]
+
     def first_stage_started(self) -> bool:
         """Has every sequence the iteration plan announced (none without a plan) for the first stage been
         submitted and taken from its queue? Then that stage gets no more work this iteration: a replica of
         it that is idle now stays idle until the next iteration starts."""
         first = PIPELINE[0]
-        return (first in self.queues and not self.queues[first]
-                and (self.plan is None or self.plan.rollout_seqs <= self.submitted[first]))
+        return first in self.queues and not self.queues[first] and not self.rollouts_unsubmitted()
 
     # -- devices and replicas -----------------------------------------------------------------------
     def add_device(self, device: str, now: float) -> None:
