@@ -67,6 +67,14 @@ class Shiftable(Policy):
                       if choice.static_split.get(r, 0) > split.get(r, 0)}
         return split
 
+    def _await_settled(self, state: ClusterState) -> bool:
+        """At an iteration's start, are shifts still in flight? Then the start is decided again at the next
+        tick, on a settled allocation."""
+        if any(r.state is ReplicaState.SHIFTING for r in state.replicas.values()):
+            self._starting = True
+            return True
+        return False
+
     def plan(self, state: ClusterState, costs: ShiftCostModel, now: float) -> ShiftPlan | None:
         if self.initial_split and not state.replicas and state.free_devices():
             return self._fill_split(state, self.initial_split, "initial")
@@ -92,8 +100,7 @@ class Shiftable(Policy):
             if not state.replicas:
                 return self._fill_split(state, {PIPELINE[0]: len(state.device_role)}, "initial:colocated")
             if starting:
-                if any(r.state is ReplicaState.SHIFTING for r in state.replicas.values()):
-                    self._starting = True
+                if self._await_settled(state):
                     return None
                 moved = toward_split(state, {PIPELINE[0]: len(state.device_role)})
                 if moved is not None:
@@ -106,8 +113,7 @@ class Shiftable(Policy):
             # the predicted-best static split needs (docs/decisions.md#every-iteration-starts-like-the-first).
             # A long first stage moves to the opening split (below) instead, where that split is predicted
             # faster than the planner did last time (docs/decisions.md, "a judge stage that lags ...").
-            if any(r.state is ReplicaState.SHIFTING for r in state.replicas.values()):
-                self._starting = True  # wait for the shifts in flight; decide on a settled allocation
+            if self._await_settled(state):
                 return None
             target = choice.static_split if short else self._open(state, choice)
             moved = toward_split(state, target)
