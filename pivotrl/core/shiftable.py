@@ -49,7 +49,10 @@ class Shiftable(Policy):
     ) -> None:
         profile = last if isinstance(last, IterationProfile) else None
         self.choice = choose(state, costs, profile)
-        self._starting = True
+        # An iteration's opening moves the whole allocation: only where no older iteration still has work
+        # downstream (with staleness its judgements and training run on; moving their devices would abort
+        # them), otherwise the tick planner shares the devices between the iterations.
+        self._starting = not state.downstream_live()
         self.loans = {}
         if self.choice is not None:
             self.history.append(self.choice)

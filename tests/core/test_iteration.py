@@ -246,14 +246,16 @@ def test_fewer_items_left_is_later(stg: dict[Role, Stage], m: int, fs: list[floa
         1 + 1e-9) + 1e-9
 
 
-def later_start_on_train(policy: Shiftable) -> Controller:
-    """Six devices that the end of an iteration left on train, and the next iteration begun at t = 2."""
+def later_start_on_train(policy: Shiftable, training: int = 0) -> Controller:
+    """Six devices that the end of an iteration left on train, `training` sequences of that older iteration
+    still on them (a stale start), and the next iteration begun at t = 2."""
     cfg = ControllerConfig(roles={r: RoleSpec(max_seqs=64, kv_tokens=10**6) for r in PIPELINE},
                            cooldown_s=0.0)
     ctl = Controller(policy, devices=[f"d{i}" for i in range(6)], config=cfg)
     for i in range(6):
         ctl.request_shift(f"d{i}", Role.TRAIN, 0.0)
     ready(ctl, 1.0)
+    ctl.submit([seq(f"old{i}", Role.TRAIN, iteration=0) for i in range(training)], 1.0)
     ctl.begin_iteration(IterationPlan(1, rollout_seqs=48, group_size=4, rollout_tokens_per_seq=8), 2.0)
     return ctl
 
@@ -301,6 +303,23 @@ def test_an_iteration_opens_colocated_exactly_when_colocated_beats_the_split() -
             assert {s.to_role for s in dec.shifts} == {Role.ROLLOUT} and len(dec.shifts) == 6
         else:
             assert dec is None or dec.stimulus != "iteration:start-colocated"
+
+
+def test_a_stale_start_leaves_the_older_iterations_training_where_it_runs() -> None:
+    """With staleness an iteration may start while an older one still trains: its opening must not move the
+    whole allocation (that would abort the training), whatever the predictions say; with the older
+    iteration drained, the same predictions do open colocated."""
+    for training in (0, 12):
+        policy = Shiftable()
+        ctl = later_start_on_train(policy, training)
+        assert policy.choice is not None
+        policy.choice = with_colocated(policy.choice, faster=True)
+        dec = ctl.tick(2.0)
+        stimulus = "" if dec is None else dec.stimulus
+        assert stimulus.startswith("iteration:start") is (training == 0), stimulus
+        if training:
+            moved = [m for s in (dec.shifts if dec else ()) for m in s.moves if m.from_role is Role.TRAIN]
+            assert len(moved) < 6   # the older iteration keeps devices to train on
 
 
 def test_a_later_iteration_starts_on_the_static_split_when_the_first_stage_is_short() -> None:
