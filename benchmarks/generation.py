@@ -345,11 +345,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{k}_tokens_per_s: {tps_cpu[k]:.1f} per CPU-second, {tps_wall[k]:.1f} wall")
     for k, v in result["ratios_wall"].items():
         print(f"{k} (wall-clock, noisy on a shared box): {v:.2f}")
-    targets = {
-        "ratio_vs_hf_generate": 1.0,
-        "ratio_vs_hf_continuous": 5.0,
-        "ratio_longtail_vs_hf_generate": 1.5,
-    }
+    # the targets of the AVX-512 path, and the lower ones of a CPU without AVX-512 (issue #18)
+    below_avx512 = result["isa"] in ("avx2", "scalar")
+    targets = dict(
+        zip(
+            ("ratio_vs_hf_generate", "ratio_vs_hf_continuous", "ratio_longtail_vs_hf_generate"),
+            (1.5, 4.0, 3.0) if below_avx512 else (1.0, 5.0, 1.5),
+        )
+    )
     for key, v in headline.items():
         print(f"{key}: {v:.2f}" + (f" (target >= {targets[key]})" if key in targets else ""))
     return 0
