@@ -49,7 +49,7 @@ def make_engine(model_dir: Path, engine_cfg: Any) -> Any:
 
 def generate(engine: Any, tok: Any, prompts: list[str], sampling: Any, seeds: list[int], budgets=None):
     """(ids, text, finish reason) per prompt, in order; each sequence with its own sampling seed."""
-    from pivotrl.engines.generation import GenRequest, SamplingParams
+    from pivotrl.engines.requests import GenRequest, SamplingParams
 
     reqs = [
         GenRequest(

@@ -39,19 +39,28 @@ from __future__ import annotations
 import functools
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
 
 import torch
 
 from pivotrl.engines import kernels
-from pivotrl.engines.checkpoints import EOS_ID, from_pretrained
+from pivotrl.engines.checkpoints import from_pretrained
 from pivotrl.engines.kv_cache import KVSlots
 from pivotrl.engines.model import CausalLM
+from pivotrl.engines.requests import FinishReason, GenRequest, GenResult, RequestBook, SamplingParams
+from pivotrl.engines.sampling import keyed_uniform, sample_tokens
 
-FinishReason = Literal["stop", "length", "abort"]
-_MASK32 = 0xFFFFFFFF
+__all__ = [
+    "FinishReason",
+    "GenRequest",
+    "GenResult",
+    "GenerationEngine",
+    "RequestBook",
+    "SamplingParams",
+    "keyed_uniform",
+    "sample_tokens",
+]
 
 
 def _inference(method):
@@ -71,159 +80,10 @@ def _inference(method):
     return wrapper
 
 
-@dataclass(frozen=True)
-class SamplingParams:
-    """temperature 0 means greedy. `max_new_tokens` counts every generated token, resumed ones included."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_new_tokens: int = 128
-    stop_ids: tuple[int, ...] = (EOS_ID,)
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-
-
-@dataclass
-class GenRequest:
-    """A sequence to generate. Non-empty `generated_ids` (with their `logprobs`) resume a partial one."""
-
-    seq_id: str
-    prompt_ids: list[int]
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    generated_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-
-
-@dataclass
-class GenResult:
-    seq_id: str
-    prompt_ids: list[int]
-    generated_ids: list[int]
-    logprobs: list[float]
-    finish_reason: FinishReason
-
-    def as_request(self, sampling: SamplingParams) -> GenRequest:
-        """The request that resumes this (partial) result."""
-        return GenRequest(
-            self.seq_id, list(self.prompt_ids), sampling, list(self.generated_ids), list(self.logprobs)
-        )
-
-
 @dataclass
 class _Running:
     req: GenRequest
     reserve: int
-
-
-def _fmix32(x: torch.Tensor) -> torch.Tensor:
-    """Murmur3's 32-bit finaliser on int64 tensors holding values in [0, 2^32) (low bits wrap correctly)."""
-    x = x ^ (x >> 16)
-    x = (x * 0x85EBCA6B) & _MASK32
-    x = x ^ (x >> 13)
-    x = (x * 0xC2B2AE35) & _MASK32
-    return x ^ (x >> 16)
-
-
-def keyed_uniform(seed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """A uniform in (0, 1) that depends only on (seed, index): the sampling noise of token `index`."""
-    x = _fmix32((seed & _MASK32) ^ ((seed >> 32) & _MASK32) * 0x27D4EB2F & _MASK32)
-    x = _fmix32(x ^ (((index + 1) * 0x9E3779B1) & _MASK32))
-    x = _fmix32(x ^ 0x165667B1)
-    return ((x >> 8).to(torch.float32) + 0.5) / float(1 << 24)
-
-
-def sample_tokens(
-    logits: torch.Tensor,
-    temperature: torch.Tensor,
-    top_p: torch.Tensor,
-    seed: torch.Tensor,
-    index: torch.Tensor,
-) -> torch.Tensor:
-    """Vectorised sampling for a batch: greedy where temperature == 0, else top-p by inverse CDF.
-
-    Row b uses the uniform `keyed_uniform(seed[b], index[b])`, so its draw depends on nothing else.
-    """
-    tokens = logits.argmax(-1)
-    sampled = temperature > 0
-    if bool(sampled.any()):
-        rows = sampled.nonzero().squeeze(1)
-        uniform = keyed_uniform(seed[rows], index[rows])
-        scaled = logits[rows] / temperature[rows, None]
-        probs = torch.softmax(scaled, dim=-1)
-        sorted_p, order = probs.sort(dim=-1, descending=True)
-        before = sorted_p.cumsum(-1) - sorted_p
-        kept = torch.where(before < top_p[rows, None], sorted_p, torch.zeros_like(sorted_p))
-        cdf = kept.cumsum(-1)
-        target = uniform[:, None] * cdf[:, -1:]
-        pick = (cdf < target).sum(-1).clamp_max(logits.shape[-1] - 1)
-        tokens[rows] = order.gather(1, pick[:, None]).squeeze(1)
-    return tokens
-
-
-class RequestBook:
-    """Queue bookkeeping shared by every engine behind this interface (torch here, vLLM in
-    `vllm_engine.py`): both keep `running`, `waiting`, finished-but-unreported `_ready` and `max_seq_len`."""
-
-    running: Any
-    waiting: Any
-    _ready: list
-    max_seq_len: int
-
-    @property
-    def num_running(self) -> int:
-        return len(self.running)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.waiting)
-
-    def has_work(self) -> bool:
-        return bool(self.running or self.waiting or self._ready)
-
-    def reservation(self, req: GenRequest) -> int:
-        """KV tokens admission reserves for `req`: everything it could ever cache."""
-        return min(len(req.prompt_ids) + req.sampling.max_new_tokens, self.max_seq_len)
-
-    def _take_queued(self, wanted: set[str]) -> list[GenResult]:
-        """Remove the wanted sequences that are not running (waiting, or finished but unreported) and
-        return them as they stand: the part of `abort` that needs no engine."""
-        out: list[GenResult] = []
-        for req in [w for w in self.waiting if w.seq_id in wanted]:
-            self.waiting.remove(req)
-            out.append(
-                GenResult(
-                    req.seq_id, list(req.prompt_ids), list(req.generated_ids), list(req.logprobs), "abort"
-                )
-            )
-        for res in [r for r in self._ready if r.seq_id in wanted]:
-            self._ready.remove(res)
-            out.append(res)
-        return out
-
-    def add(self, req: GenRequest) -> None:
-        raise NotImplementedError
-
-    def step(self) -> list[GenResult]:
-        raise NotImplementedError
-
-    def generate(self, reqs: list[GenRequest]) -> list[GenResult]:
-        """Run `reqs` to completion (with whatever else is queued); results in the order of `reqs`."""
-        for r in reqs:
-            self.add(r)
-        ids = {r.seq_id for r in reqs}
-        got: dict[str, GenResult] = {}
-        while len(got) < len(ids) and self.has_work():
-            for res in self.step():
-                if res.seq_id in ids:
-                    got[res.seq_id] = res
-        return [got[r.seq_id] for r in reqs]
 
 
 class GenerationEngine(RequestBook):

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pivotrl.engines.generation import FinishReason, GenRequest, GenResult, RequestBook
+from pivotrl.engines.requests import FinishReason, GenRequest, GenResult, RequestBook
 from pivotrl.engines.vllm_worker import LOAD_METHOD, WORKER_EXTENSION, wire_chunks
 from pivotrl.errors import UserError
 

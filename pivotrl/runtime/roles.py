@@ -169,7 +169,7 @@ class GenerationContext(_Weights):
         free_cuda_cache()
 
     def add(self, item: WorkItem) -> None:
-        from pivotrl.engines.generation import GenRequest, SamplingParams
+        from pivotrl.engines.requests import GenRequest, SamplingParams
 
         p = item.payload
         s = dict(p.get("sampling") or {})

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from pivotrl.engines.generation import GenRequest, SamplingParams
+from pivotrl.engines.requests import GenRequest, SamplingParams
 from pivotrl.errors import UserError
 
 

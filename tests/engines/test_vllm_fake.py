@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from pivotrl.engines.generation import GenRequest, SamplingParams
+from pivotrl.engines.requests import GenRequest, SamplingParams
 from pivotrl.errors import UserError
 from tests.engines.conftest import FAKE
 
