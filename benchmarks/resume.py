@@ -39,10 +39,11 @@ OVERHEAD = "resume overhead:"
 POINTS = ["optimizer_step:2", "publish:1", "checkpoint:1", "collect:3"]  # the first kills a fresh run
 
 
-def write_config(root: Path, storage: Path, iterations: int) -> Path:
+def write_config(root: Path, storage: Path, iterations: int, max_staleness: int = 0) -> Path:
     cfg = root / f"{storage.name}.yaml"
     cfg.write_text(
-        f"""run: {{name: resume, iterations: {iterations}, storage_root: {storage}, seed: 3}}
+        f"""run: {{name: resume, iterations: {iterations}, storage_root: {storage}, seed: 3,
+      max_staleness: {max_staleness}}}
 models:
   policy: {{name: policy, path: {root / "models" / "policy"}}}
   genrm: {{name: genrm, path: {root / "models" / "judge"}}}
@@ -132,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=1, help="device workers of every run (2: the final "
                     "policy is compared within --tolerance, not bit for bit)")
     ap.add_argument("--tolerance", type=float, default=1e-5, help="max |Δ| of any weight, with 2+ workers")
+    ap.add_argument("--max-staleness", type=int, default=0, choices=(0, 1, 2),
+                    help="run.max_staleness of every run (k >= 1: a kill may find two iterations in flight)")
     args = ap.parse_args(argv)
     iterations, wall_kills = (6, 2) if args.quick else (10, 4)
     rng = random.Random(args.seed)
@@ -143,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     create_model("debug", root / "models" / "policy", seed=1)
     create_model("debug", root / "models" / "judge", seed=2)
     t0 = time.monotonic()
-    ref_cfg = write_config(root, root / "uninterrupted", iterations)
+    ref_cfg = write_config(root, root / "uninterrupted", iterations, args.max_staleness)
     rc, out, err, iterations_s = submit(ref_cfg, resume=False, kill_at=None, kill_after_s=None,
                                         workers=args.workers)
     if rc != 0:
@@ -151,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"the uninterrupted run failed (exit {rc})")
     uninterrupted_s = time.monotonic() - t0
 
-    cfg = write_config(root, root / "interrupted", iterations)
+    cfg = write_config(root, root / "interrupted", iterations, args.max_staleness)
     # the wall-clock kills come right after the first (fault-point) kill, at 1.2-1.6 uninterrupted
     # iterations counted from the resumed run's first iteration: each lets about one iteration commit and
     # dies inside the next, so the kills land at different iterations and the later fault points still
@@ -200,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         "final_policy_bit_identical": bool(identical),
         "final_policy_max_abs_diff": max_diff,
         "workers": args.workers,
+        "max_staleness": args.max_staleness,
         "final_policy_within_tolerance": max_diff is not None and max_diff <= args.tolerance,
         "tolerance": args.tolerance,
         "resume_overhead_s": statistics.median(overheads) if overheads else None,
