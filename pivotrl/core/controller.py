@@ -293,7 +293,7 @@ class Controller:
 
     def has_work(self, role: Role | None = None) -> bool:
         roles = self.state.roles if role is None else (role,)
-        return any(self.state.n_seqs[r] > 0 for r in roles)
+        return any(self.state.has_work(r) for r in roles)
 
     def snapshot(self) -> dict[str, Any]:
         """Per-role counts and rates, per-device role: what a dashboard or metrics exporter shows."""

@@ -74,10 +74,6 @@ class Policy:
         return ShiftPlan((), tuple(form), stimulus) if form else None
 
 
-def role_has_work(state: ClusterState, role: Role) -> bool:
-    return state.n_seqs[role] > 0
-
-
 def unsubmitted_rollouts(state: ClusterState, role: Role) -> bool:
     """Is `role` the rollout stage with rollouts the iteration plan announced but the driver has not
     submitted yet? (Any other stage's future work needs its upstream stages to run first.)"""
@@ -91,12 +87,12 @@ class Colocated(Policy):
         if any(r.state is ReplicaState.SHIFTING for r in state.replicas.values()):
             return None  # the whole cluster is switching; wait for it
         current = next((r for r in state.roles if state.by_role[r]), None)
-        if current is not None and (role_has_work(state, current) or unsubmitted_rollouts(state, current)):
+        if current is not None and (state.has_work(current) or unsubmitted_rollouts(state, current)):
             # Stay; free devices (new or orphaned by a lost partner) join the current stage.
             return self._fill_split(state, {current: len(state.device_role)}, "colocated:join")
         start = 0 if current is None else (state.roles.index(current) + 1)
         order = [state.roles[(start + i) % len(state.roles)] for i in range(len(state.roles))]
-        target = next((r for r in order if role_has_work(state, r)), None)
+        target = next((r for r in order if state.has_work(r)), None)
         if target is None:
             if current is None and state.free_devices():
                 # Nothing to do yet: warm the first stage (or the given split) so work starts at once.
@@ -175,14 +171,14 @@ class Grouped(Policy):
             if current is not None and current not in roles:  # the device set changed under a replica
                 current = None
             free = [d for d in devs if state.device_replica.get(d) is None]
-            busy = current is not None and (role_has_work(state, current)
+            busy = current is not None and (state.has_work(current)
                                             or unsubmitted_rollouts(state, current))
             if busy:
                 target = current
             else:
                 start = 0 if current is None else roles.index(current) + 1
                 order = [roles[(start + i) % len(roles)] for i in range(len(roles))]
-                target = next((r for r in order if role_has_work(state, r) or unsubmitted_rollouts(state, r)),
+                target = next((r for r in order if state.has_work(r) or unsubmitted_rollouts(state, r)),
                               None)
                 if target is None:
                     target = roles[0] if current is None else current

@@ -63,11 +63,15 @@ class ClusterState:
         """Has the iteration plan announced rollouts that the driver has not submitted yet?"""
         return self.plan is not None and self.plan.rollout_seqs > self.submitted[PIPELINE[0]]
 
+    def has_work(self, role: Role) -> bool:
+        """Does `role` hold live (waiting or running) sequences?"""
+        return self.n_seqs.get(role, 0) > 0
+
     def downstream_live(self) -> bool:
-        """Does a role after the first stage hold live (waiting or running) sequences? At an on-policy
-        iteration's start never (the barrier drained them); with staleness, an older iteration's judgements
-        and training still running beside the new iteration's rollouts."""
-        return any(self.n_seqs.get(r, 0) > 0 for r in PIPELINE[1:])
+        """Does a role after the first stage hold live sequences? At an on-policy iteration's start never
+        (the barrier drained them); with staleness, an older iteration's judgements and training still
+        running beside the new iteration's rollouts."""
+        return any(self.has_work(r) for r in PIPELINE[1:])
 
     def first_stage_started(self) -> bool:
         """Has every sequence the iteration plan announced (none without a plan) for the first stage been

@@ -139,13 +139,12 @@ def _mark_done(state: ClusterState, base: dict[Role, dict]) -> None:
     """A role is *done* for the iteration when it and every role upstream of it hold no live sequence and
     every rollout the plan announced was submitted: nothing can reach it before the next iteration starts.
     (Without an `IterationPlan` more rollouts may come at any time: no role is done.)"""
-    plan = state.plan
-    if plan is None or not all(r in base for r in PIPELINE):
+    if state.plan is None or not all(r in base for r in PIPELINE):
         return
-    if plan.rollout_seqs > state.submitted[PIPELINE[0]]:
+    if state.rollouts_unsubmitted():
         return
     for role in PIPELINE:
-        if state.n_seqs[role] > 0:
+        if state.has_work(role):
             return
         base[role]["done"] = True
 
