@@ -3,6 +3,11 @@
 Dispatch: the head of a role's shared queue goes to the active replica whose throughput grows most by taking
 one more sequence, f_i(n_i+1) − f_i(n_i), among those with room (sequence slots and KV tokens). Because every
 f_i is concave, a max-heap keyed by that marginal gain gives the greedy optimum at O(log I) per sequence.
+A role whose replicas run whole micro-batches (`RoleSpec.whole_batches`, train) is dispatched late: an item
+goes only to an idle replica, which takes at most its share of the queue, ceil(queued / replicas). A busy
+replica would hold the item until its batch ends while another may free sooner, and a replica taking a
+full batch of the iteration's last items ends the iteration alone
+(docs/decisions.md#train-items-are-dispatched-late-and-shared).
 
 Shift-down (a replica leaves its role): Abort every sequence it runs → they re-enter the shared queue ahead
 of fresh work, keeping their tokens → Dispatch onto the role's remaining replicas. O(I·NSeq) in the worst
@@ -29,14 +34,18 @@ def dispatch_role(state: ClusterState, role: Role) -> list[Assignment]:
     """Place waiting sequences of `role` until the queue is empty or no active replica has room.
 
     Strict queue order: if the head does not fit anywhere (KV), nothing behind it jumps ahead, so resumed
-    sequences are never starved by smaller fresh ones.
+    sequences are never starved by smaller fresh ones. A `whole_batches` role: idle replicas only, each
+    up to its share of the queue (the module docstring says why).
     """
     queue = state.queues[role]
     if not len(queue) or state.blocked[role]:
         return []  # nothing waits, or nothing changed since the head last found no room
     heap: list[tuple[float, int, Replica]] = []
-    for idx, rep in enumerate(state.active(role)):
-        if rep.n < rep.max_seqs:
+    whole = state.config.spec(role).whole_batches
+    active = state.active(role)
+    share = -(-len(queue) // max(len(active), 1)) if whole else 1 << 30
+    for idx, rep in enumerate(active):
+        if rep.n < min(rep.max_seqs, share) and not (whole and rep.n > 0):
             heap.append((-rep.model.marginal_gain(rep.n), idx, rep))
     heapq.heapify(heap)
     out: list[Assignment] = []
@@ -61,7 +70,7 @@ def dispatch_role(state: ClusterState, role: Role) -> list[Assignment]:
         rep = chosen[2]
         state.start(seq, rep)
         out.append(Assignment(seq.seq_id, rep.replica_id))
-        if rep.n < rep.max_seqs:
+        if rep.n < min(rep.max_seqs, share):
             heapq.heappush(heap, (-rep.model.marginal_gain(rep.n), chosen[1], rep))
     if len(queue):
         state.blocked[role] = True

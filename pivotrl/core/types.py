@@ -132,6 +132,9 @@ class RoleSpec:
     iteration (train: gradient reduction, optimizer step, publish), sync(m) = fixed + shared / m seconds
     with m replicas: a sharded optimizer steps and writes 1/m of the model per rank. 0 / 0 (the default)
     means unknown; the first measured iteration replaces it (`pivotrl.core.iteration.stages`).
+    `whole_batches`: the role's replicas run their items in whole micro-batches, and an item given to a
+    replica whose batch is in flight waits for that batch to end (no continuous batching). Such a replica
+    is given work only when idle, and then only its share of the queue (`pivotrl.core.dispatcher`).
     """
 
     devices_per_replica: int = 1
@@ -143,6 +146,7 @@ class RoleSpec:
     prefill_tokens_per_s: float = 20000.0
     sync_fixed_s: float = 0.0
     sync_shared_s: float = 0.0
+    whole_batches: bool = False
 
 
 @dataclass(frozen=True)

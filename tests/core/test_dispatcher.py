@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+from hypothesis import given, settings
+from hypothesis import strategies as hst
+
 from pivotrl.core import Role, RoleSpec
 from pivotrl.core.dispatcher import cheapest_recent, dispatch_role, shift_down, shift_up
 from pivotrl.core.throughput import ThroughputModel
@@ -156,3 +159,82 @@ def test_shift_up_with_a_full_queue_aborts_nothing() -> None:
     aborts, assignments = shift_up(st, Role.ROLLOUT, [rep.replica_id])
     assert aborts == {} and len(assignments) == 8 and rep.n == 8
     st.check()
+
+
+# --- roles that step whole micro-batches (train) ------------------------------------------------------
+
+
+def _whole(max_seqs: int = 4) -> RoleSpec:
+    return RoleSpec(max_seqs=max_seqs, kv_tokens=1 << 30, tokens_per_seq_step=100, whole_batches=True)
+
+
+def _train_state(k: int, max_seqs: int = 4, busy: tuple[int, ...] = ()):
+    st = active_state(config(roles={Role.TRAIN: _whole(max_seqs)}), {Role.TRAIN: k})
+    reps = st.active(Role.TRAIN)
+    for i in busy:  # a micro-batch of one item in flight
+        s = seq(f"busy{i}", Role.TRAIN)
+        st.admit(s, 0.0)
+        st.queues[Role.TRAIN].remove(s.seq_id)
+        st.start(s, reps[i])
+    return st, reps
+
+
+def test_a_whole_batch_replica_in_flight_takes_nothing_more() -> None:
+    """An item given to a replica that is running a micro-batch waits for that batch to end, while another
+    replica may free sooner: it stays in the shared queue instead."""
+    st, reps = _train_state(3, busy=(0, 1))
+    _fill(st, 3, Role.TRAIN)
+    out = dispatch_role(st, Role.TRAIN)
+    assert {a.replica_id for a in out} == {reps[2].replica_id}
+    assert [r.n for r in reps] == [1, 1, 1]   # its share: ceil(3 items / 3 replicas); the rest waits
+    st.check()
+
+
+def test_a_replica_that_frees_first_takes_only_its_share_of_the_last_items() -> None:
+    """The iteration's last 8 items, one replica of 4 idle: it takes 2 (its share), not 4, and the others
+    take theirs as their micro-batches end; before, the idle one ran 4 items while 3 replicas freed up."""
+    st, reps = _train_state(4, busy=(0, 1, 2))
+    _fill(st, 8, Role.TRAIN)
+    dispatch_role(st, Role.TRAIN)
+    assert [r.n for r in reps] == [1, 1, 1, 2] and len(st.queues[Role.TRAIN]) == 6
+    st.finish(st.seqs["busy0"], 1.0)
+    dispatch_role(st, Role.TRAIN)
+    assert [r.n for r in reps] == [2, 1, 1, 2]   # ceil(6 / 4): the queue shrinks, so does the share
+    st.check()
+
+
+@settings(max_examples=300, derandomize=True, deadline=None)
+@given(k=hst.integers(1, 12), max_seqs=hst.integers(1, 16), queued=hst.integers(0, 200),
+       busy=hst.sets(hst.integers(0, 11)))
+def test_whole_batch_dispatch_is_work_conserving_and_fair(k: int, max_seqs: int, queued: int,
+                                                          busy: set[int]) -> None:
+    """Every idle replica gets work while any waits; no replica running a batch gets more; none gets more
+    than its share of the queue (rounded up) or its slots; and the queue keeps its order."""
+    st, reps = _train_state(k, max_seqs, tuple(sorted(b for b in busy if b < k)))
+    was_busy = [r.n > 0 for r in reps]
+    items = _fill(st, queued, Role.TRAIN)
+    out = dispatch_role(st, Role.TRAIN)
+    share = -(-queued // k)
+    got = {r.replica_id: 0 for r in reps}
+    for a in out:
+        got[a.replica_id] += 1
+    for r, b in zip(reps, was_busy):
+        assert got[r.replica_id] == 0 if b else got[r.replica_id] <= min(max_seqs, share)
+        if not b and len(st.queues[Role.TRAIN]):
+            assert got[r.replica_id] >= 1
+    idle = sum(not b for b in was_busy)
+    assert len(out) == min(queued, idle * min(max_seqs, share))
+    assert [a.seq_id for a in out] == [s.seq_id for s in items[: len(out)]]
+    st.check()
+
+
+def test_a_continuous_batching_role_keeps_filling_busy_replicas() -> None:
+    st = active_state(config(), {Role.ROLLOUT: 2})
+    reps = st.active(Role.ROLLOUT)
+    first = seq("first")
+    st.admit(first, 0.0)
+    st.queues[Role.ROLLOUT].remove(first.seq_id)
+    st.start(first, reps[0])
+    _fill(st, 3)
+    dispatch_role(st, Role.ROLLOUT)
+    assert sorted(r.n for r in reps) == [2, 2]
