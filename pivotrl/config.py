@@ -241,6 +241,9 @@ class SchedulerConfig(Section):
     horizon_s: float = Field(10.0, gt=0.0)
     hysteresis: float = Field(0.05, ge=0.0)
     cooldown_s: float = Field(2.0, ge=0.0)
+    cooldown_shift_multiple: float = Field(
+        3.0, ge=0.0, description="after a shift, a device is locked for the shorter of cooldown_s and this "
+        "multiple of the shift's measured duration; 0: cooldown_s after every shift")
     tick_s: float = Field(0.25, gt=0.0)
     priors: SchedulerPriors = SchedulerPriors()
 

@@ -174,7 +174,8 @@ def controller_config(cfg: PipelineConfig) -> Any:
                              prior_step_a_s=pr.train_step_a_s, prior_step_b_s=pr.train_step_b_s),
     }
     return ControllerConfig(roles=roles, horizon_s=sc.horizon_s, hysteresis=sc.hysteresis,
-                            cooldown_s=sc.cooldown_s, shift_prior_s=pr.shift_s)
+                            cooldown_s=sc.cooldown_s, cooldown_shift_multiple=sc.cooldown_shift_multiple,
+                            shift_prior_s=pr.shift_s)
 
 
 def build_controller(cfg: PipelineConfig, mode: str, n_devices: int,

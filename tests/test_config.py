@@ -240,3 +240,11 @@ def test_dataset_and_judge_fields_load_typed():
     )
     assert cfg.task.eval_fraction == 0.2 and cfg.gps.keep_last == 5
     assert cfg.reward.judge.verdict.kind == "score" and cfg.reward.judge.verdict.range == (1.0, 5.0)
+
+
+def test_the_runtime_passes_the_shift_lock_multiple_to_core() -> None:
+    from pivotrl.run import controller_config
+
+    assert controller_config(load_config(None)).cooldown_shift_multiple == 3.0
+    cfg = load_config(None, overrides=["scheduler.cooldown_shift_multiple=0.5"])
+    assert controller_config(cfg).cooldown_shift_multiple == 0.5

@@ -161,8 +161,9 @@ class Controller:
         for from_role in {m.from_role for m in moves} or {None}:
             self.shift_costs.observe(from_role, rep.role, timings)
         self.state.activate(rep)
+        placed = all(m.from_role is None for m in moves)  # from free devices: a first placement
         for d in rep.devices:
-            self.state.device_shifted_at[d] = now
+            self.state.lock_after_shift(d, now, None if placed else timings.total)
         aborts, assignments = dispatcher.shift_up(self.state, rep.role, [replica_id])
         return self._record(now, f"shift_done:{replica_id}", "shift_up", aborts=aborts, dispatch=assignments,
                             extra={"phase_timings": timings.phases(), "warm": timings.warm})
@@ -187,6 +188,7 @@ class Controller:
         del st.device_role[device]
         del st.device_replica[device]
         st.device_shifted_at.pop(device, None)
+        st.device_lock_s.pop(device, None)
         self._record(now, f"device_lost:{device}", "device_lost", aborts=aborts,
                      dissolved=[rid] if rid else [], extra={"device": device})
         return requeued

@@ -131,8 +131,6 @@ def donor_pools(state: ClusterState, views: dict[Role, RoleView], now: float) ->
     free = sorted(state.free_devices())
     if free:
         pools.append(DonorPool(None, 1, tuple(free), np.zeros(len(free)), np.zeros(len(free))))
-    shifted = state.device_shifted_at
-    cutoff = now - cfg.cooldown_s
     first_done = state.plan is not None and state.first_stage_started()
     for role in state.roles:
         view = views[role]
@@ -145,7 +143,7 @@ def donor_pools(state: ClusterState, views: dict[Role, RoleView], now: float) ->
             if rep.state is not ReplicaState.ACTIVE:
                 continue
             done = role is PIPELINE[0] and first_done and rep.n == 0
-            if not done and any(shifted.get(dev, -math.inf) > cutoff for dev in rep.devices):
+            if not done and any(state.locked(dev, now) for dev in rep.devices):
                 continue
             ids.append(rid)
             lost.append(rep.model.rate(rep.n) * view.weight if rep.running else 0.0)
@@ -258,7 +256,7 @@ def plan_for(state: ClusterState, costs: ShiftCostModel, views: dict[Role, RoleV
     def u_gain(x: np.ndarray) -> np.ndarray:
         g = vu.processed_many(vu.replicas + x // vu.g) - vu.processed(vu.replicas)
         if last:
-            g = np.maximum(g, drain_value(vu, x // vu.g, total_devices, shift_s, cfg.cooldown_s))
+            g = np.maximum(g, drain_value(vu, x // vu.g, total_devices, shift_s, cfg.lock_after(shift_s)))
         return g
 
     # G can only shrink below u's own gain (donor losses and φ are never negative): skip hopeless roles.

@@ -166,9 +166,8 @@ def return_loans(state: ClusterState, loans: dict[Role, int], now: float,
     first = PIPELINE[0]
     if not state.first_stage_started():
         return None
-    cutoff = now - state.config.cooldown_s
     idle = [rep for rep in sorted(state.by_role[first].values(), key=lambda r: r.replica_id)
-            if idle_and_settled(state, rep, cutoff)]
+            if idle_and_settled(state, rep, now)]
     if not idle:
         return None
     dissolve: list[str] = []
@@ -196,10 +195,10 @@ def return_loans(state: ClusterState, loans: dict[Role, int], now: float,
     return ShiftPlan(tuple(dissolve), tuple(form), "loan:return")
 
 
-def idle_and_settled(state: ClusterState, rep: Replica, cutoff: float) -> bool:
-    """`rep` is active, serves nothing, and none of its devices moved after `cutoff` (out of cooldown)."""
-    return rep.state is ReplicaState.ACTIVE and rep.n == 0 and all(
-        state.device_shifted_at.get(d, -1e18) <= cutoff for d in rep.devices)
+def idle_and_settled(state: ClusterState, rep: Replica, now: float) -> bool:
+    """`rep` is active, serves nothing, and none of its devices is locked at `now` (`ClusterState.locked`)."""
+    return rep.state is ReplicaState.ACTIVE and rep.n == 0 and not any(
+        state.locked(d, now) for d in rep.devices)
 
 
 def opening_split(state: ClusterState, choice: IterationChoice) -> dict[Role, int]:
@@ -268,7 +267,6 @@ def serve_starving(state: ClusterState, now: float) -> ShiftPlan | None:
     compile) every candidate's φ exceeded G and a one-device run never moved to reward. Busy donors still
     have to pay their way through the planner."""
     cfg = state.config
-    cutoff = now - cfg.cooldown_s
     for role in PIPELINE:
         if role not in state.roles or not state.queues[role] or state.by_role[role]:
             continue
@@ -279,7 +277,7 @@ def serve_starving(state: ClusterState, now: float) -> ShiftPlan | None:
             if other is role or state.queues[other]:
                 continue
             for rep in sorted(state.by_role[other].values(), key=lambda r: r.replica_id):
-                if idle_and_settled(state, rep, cutoff):
+                if idle_and_settled(state, rep, now):
                     dissolve.append(rep.replica_id)
                     idle.extend(rep.devices)
                 if len(idle) >= g:

@@ -36,6 +36,7 @@ class ClusterState:
         self.device_role: dict[str, Role | None] = {}
         self.device_replica: dict[str, str | None] = {}
         self.device_shifted_at: dict[str, float] = {}
+        self.device_lock_s: dict[str, float] = {}  # a lock shorter than cooldown_s (`lock_after_shift`)
         # (time, replicas) each role gave up in shifts: the planner bounds an upstream role's *cumulative*
         # donation over a horizon, so a per-decision slack cannot compound across consecutive ticks.
         self.donations: dict[Role, list[tuple[float, int]]] = {r: [] for r in self.roles}
@@ -88,6 +89,22 @@ class ClusterState:
         self.device_replica[device] = None
         self.device_shifted_at[device] = float("-inf")
 
+    def locked(self, device: str, now: float) -> bool:
+        """Is `device` still held where it last moved (`ControllerConfig.cooldown_s`, or the shorter lock its
+        last shift earned: `lock_after_shift`)?"""
+        lock = self.device_lock_s.get(device, self.config.cooldown_s)
+        return self.device_shifted_at.get(device, float("-inf")) > now - lock
+
+    def lock_after_shift(self, device: str, now: float, shift_s: float | None) -> None:
+        """`device` finished a shift of `shift_s` seconds at `now`: it is held for the shorter of the cooldown
+        and `cooldown_shift_multiple` × `shift_s`; after a first placement (`shift_s` None) for the whole
+        cooldown, which keeps the first decisions off a throughput fit with no samples yet."""
+        self.device_shifted_at[device] = now
+        if shift_s is None:
+            self.device_lock_s.pop(device, None)
+        else:
+            self.device_lock_s[device] = self.config.lock_after(shift_s)
+
     def free_devices(self) -> list[str]:
         return [d for d, r in self.device_replica.items() if r is None]
 
@@ -111,6 +128,7 @@ class ClusterState:
         for d in devices:
             if self.device_role[d] != role:
                 self.device_shifted_at[d] = now
+                self.device_lock_s.pop(d, None)
             self.device_role[d] = role
             self.device_replica[d] = rid
         return rep

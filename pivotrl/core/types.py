@@ -159,6 +159,10 @@ class ControllerConfig:
     cooldown_s: a device that just shifted may not shift again for this long, first placements and both
         directions included: it keeps iteration 0's first decisions off a throughput fit with no samples
         yet, and stops churn (see docs/decisions.md#cooldown-applies-to-every-shift).
+    cooldown_shift_multiple: after a *shift* (not a first placement), the lock is the shorter of
+        `cooldown_s` and this multiple of the shift's measured duration: the lock is there so that a move
+        pays for itself before the device moves again, and a move of under a second pays for itself within
+        seconds (see docs/decisions.md#a-lock-amortises-its-own-shift). 0: `cooldown_s` after every shift.
     decay: per-sample recency weight of the throughput fit (older samples weigh decay**age).
     prior_weight: weighted samples needed (with spread in concurrency) before the fitted slope replaces
         the prior's.
@@ -187,6 +191,7 @@ class ControllerConfig:
     horizon_s: float = 10.0
     hysteresis: float = 0.05
     cooldown_s: float = 2.0
+    cooldown_shift_multiple: float = 3.0
     decay: float = 0.95
     prior_weight: float = 2.0
     shift_prior_s: float = 5.0
@@ -201,6 +206,12 @@ class ControllerConfig:
     def __post_init__(self) -> None:
         if self.kv_reserve not in ("budget", "expected"):
             raise ValueError(f"kv_reserve must be 'budget' or 'expected', got {self.kv_reserve!r}")
+
+    def lock_after(self, shift_s: float) -> float:
+        """Seconds a device stays where a shift of `shift_s` seconds took it (`cooldown_shift_multiple`)."""
+        if self.cooldown_shift_multiple <= 0:
+            return self.cooldown_s
+        return min(self.cooldown_s, self.cooldown_shift_multiple * max(shift_s, 0.0))
 
     def spec(self, role: Role) -> RoleSpec:
         return self.roles.get(role) or RoleSpec()

@@ -150,11 +150,11 @@ def _mark_done(state: ClusterState, base: dict[Role, dict]) -> None:
 
 
 def drain_value(vu: RoleView, ks: np.ndarray, n_devices: int, shift_s: float,
-                cooldown_s: float) -> np.ndarray:
+                lock_s: float) -> np.ndarray:
     """Value (device-seconds) of `ks` more replicas for `vu` when it is the last role with work this
     iteration: on-policy, the next iteration starts only when `vu` drains, so every device of the cluster
     waits on it and finishing `saving` seconds sooner is worth n_devices × saving. The new replicas serve
-    after `shift_s`; a moved device may not move again for `cooldown_s` after it lands, so what of that lock
+    after `shift_s`; a moved device may not move again for `lock_s` after it lands, so what of that lock
     outlasts the drain is charged (it holds the device back from the next iteration's first stage).
 
     The soft-capped work over H (`processed`) misses this: with the whole drain inside H, one more replica
@@ -166,7 +166,7 @@ def drain_value(vu: RoleView, ks: np.ndarray, n_devices: int, shift_s: float,
     tau0 = total / before
     after = shift_s + (total - before * shift_s) / np.maximum(vu.throughput_many(vu.replicas + ks), 1e-300)
     saving = np.maximum(tau0 - after, 0.0)
-    lock = np.maximum(shift_s + cooldown_s - after, 0.0) * ks * vu.g
+    lock = np.maximum(shift_s + lock_s - after, 0.0) * ks * vu.g
     return n_devices * saving - lock
 
 

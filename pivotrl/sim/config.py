@@ -140,6 +140,9 @@ class SchedulerConfig(Section):
     horizon_s: float = Field(30.0, gt=0)
     hysteresis: float = Field(0.05, ge=0)
     cooldown_s: float = Field(10.0, ge=0)
+    cooldown_shift_multiple: float = Field(
+        3.0, ge=0, description="after a shift, a device is locked for the shorter of cooldown_s and this "
+        "multiple of the shift's duration; 0: cooldown_s after every shift")
     progress_s: float = Field(5.0, gt=0, description="how often engines report per-sequence progress")
     expected_lengths: Literal["mean", "none"] = Field(
         "mean", description="what the driver tells core per sequence: the workload's mean length, or "

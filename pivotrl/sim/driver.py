@@ -54,7 +54,8 @@ def controller_config(cfg: SimConfig) -> ControllerConfig:
     shift_prior = sum(shift_time(c, r).total for r in ("rollout", "reward", "train")) / 3.0
     s = cfg.scheduler
     return ControllerConfig(roles=roles, horizon_s=s.horizon_s, hysteresis=s.hysteresis,
-                            cooldown_s=s.cooldown_s, shift_prior_s=shift_prior, kv_reserve=s.kv_reserve,
+                            cooldown_s=s.cooldown_s, cooldown_shift_multiple=s.cooldown_shift_multiple,
+                            shift_prior_s=shift_prior, kv_reserve=s.kv_reserve,
                             prior_weight=s.prior_weight)
 
 

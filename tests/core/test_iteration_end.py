@@ -26,10 +26,10 @@ NOW = 100.0
 
 
 def _drain_state(cooldown_s: float = 2.0, plan_known: bool = True,
-                 all_submitted: bool = True) -> ClusterState:
+                 all_submitted: bool = True, multiple: float = 3.0) -> ClusterState:
     """Iteration end: rollout (2 replicas) and reward (1) idle and done, train (4 replicas) holds the last
     96,000 tokens (~6 s at its saturated 16,000 tokens/s, well inside H = 20 s)."""
-    cfg = config(horizon_s=20.0, hysteresis=0.05, cooldown_s=cooldown_s)
+    cfg = config(horizon_s=20.0, hysteresis=0.05, cooldown_s=cooldown_s, cooldown_shift_multiple=multiple)
     stt = active_state(cfg, {Role.ROLLOUT: 2, Role.REWARD: 1, Role.TRAIN: 4})
     for i in range(240):
         stt.admit(seq(f"t{i}", Role.TRAIN, prompt=0, max_new=400, expected_new_tokens=400), 0.0)
@@ -69,11 +69,20 @@ def test_no_barrier_pricing_while_more_work_can_come(kw: dict) -> None:
 
 
 def test_a_cooldown_that_outlasts_the_drain_is_charged() -> None:
-    """A device moved now may not move again for cooldown_s after it lands; if that lock outlasts the drain
-    it holds the device back from the next iteration's first stage, which costs more than the drain saves."""
-    stt = _drain_state(cooldown_s=60.0)
+    """A device moved now may not move again for cooldown_s after it lands (every shift locked for the full
+    cooldown: multiple 0); if that lock outlasts the drain it holds the device back from the next
+    iteration's first stage, which costs more than the drain saves."""
+    stt = _drain_state(cooldown_s=60.0, multiple=0.0)
     res = plan(stt, ShiftCostModel(prior_s=1.0), NOW)
     assert res.chosen is None
+
+
+def test_a_short_shift_earns_a_short_lock_and_the_drain_move_pays() -> None:
+    """The same 60 s cooldown, but a 1 s shift locks its device for 3 × 1 s only: the lock ends with the
+    drain, so moving the done roles' idle devices to train is worth it."""
+    stt = _drain_state(cooldown_s=60.0, multiple=3.0)
+    res = plan(stt, ShiftCostModel(prior_s=1.0), NOW)
+    assert res.chosen is not None and res.to_role is Role.TRAIN
 
 
 def test_drain_value_closed_form() -> None:
@@ -81,12 +90,12 @@ def test_drain_value_closed_form() -> None:
     tr = role_views(stt, 20.0, NOW)[Role.TRAIN]
     tau0 = (tr.work + tr.arriving_work) / tr.throughput(tr.replicas)
     ks = np.array([0, 1, 2])
-    v = drain_value(tr, ks, n_devices=7, shift_s=1.0, cooldown_s=2.0)
+    v = drain_value(tr, ks, n_devices=7, shift_s=1.0, lock_s=2.0)
     after = 1.0 + (tr.work - tr.throughput(4) * 1.0) / np.array([tr.throughput(4 + k) for k in ks])
     assert v == pytest.approx(7 * np.maximum(tau0 - after, 0.0))
     assert v[0] == pytest.approx(0.0) and v[2] > v[1] > 0
     # nothing to gain when the drain ends before a shift could land
-    assert not drain_value(tr, ks, 7, shift_s=tau0 + 1.0, cooldown_s=2.0).any()
+    assert not drain_value(tr, ks, 7, shift_s=tau0 + 1.0, lock_s=2.0).any()
 
 
 def _random_drain_state(seed: int) -> tuple[ClusterState, ShiftCostModel, float]:

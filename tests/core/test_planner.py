@@ -169,7 +169,7 @@ def _brute_force(stt: ClusterState, costs: ShiftCostModel, now: float, u: Role) 
             total, before = vu.work + vu.arriving_work, vu.throughput(vu.replicas)
             if total > 0 and before > 0 and total / before > shift_s:
                 after = shift_s + (total - before * shift_s) / max(vu.throughput(vu.replicas + k), 1e-300)
-                lock = max(shift_s + cfg.cooldown_s - after, 0.0) * k * vu.g
+                lock = max(shift_s + cfg.lock_after(shift_s) - after, 0.0) * k * vu.g
                 g = max(g, len(stt.device_role) * max(total / before - after, 0.0) - lock)
         return g
 

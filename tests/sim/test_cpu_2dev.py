@@ -52,3 +52,11 @@ def test_driver_passes_the_profile_trust_to_core() -> None:
     assert controller_config(cfg).prior_weight == cfg.scheduler.prior_weight == 1e9
     cfg = load_sim_config(CPU2, ["scheduler.prior_weight=2"])
     assert controller_config(cfg).prior_weight == 2.0
+
+
+def test_driver_passes_the_shift_lock_multiple_to_core() -> None:
+    from pivotrl.sim.driver import controller_config
+
+    assert controller_config(load_sim_config(CPU2)).cooldown_shift_multiple == 3.0
+    cfg = load_sim_config(CPU2, ["scheduler.cooldown_shift_multiple=0"])
+    assert controller_config(cfg).cooldown_shift_multiple == 0.0
