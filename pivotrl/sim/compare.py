@@ -13,12 +13,16 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pivotrl.errors import UserError
 from pivotrl.sim.config import ROLES, SimConfig
 from pivotrl.sim.engine import SimResult, Simulator
 from pivotrl.sim.fluid import fluid_bound, latency_bound
+
+if TYPE_CHECKING:
+    from pivotrl.core.stage import Stage
+    from pivotrl.core.types import Role
 
 
 def simulate(cfg: SimConfig, mode: str, split: dict[str, int] | None = None,
@@ -88,8 +92,21 @@ def model_ranked(cfg: SimConfig, splits: list[dict[str, int]], k: int) -> list[d
     stage's longest item and the pipeline's fill and drain."""
     import numpy as np
 
-    from pivotrl.core.iteration import IterationProfile, RoleProfile, stages
     from pivotrl.core.makespan import ranked
+
+    st = model_stages(cfg)
+    if st is None:
+        return list(splits[:k])
+    reps = {r: np.asarray([s[str(r)] // st[r].g for s in splits], dtype=float) for r in st}
+    return [splits[i] for i, _ in ranked(st, reps, k)]
+
+
+def model_stages(cfg: SimConfig) -> dict[Role, Stage] | None:
+    """core's stages (`pivotrl.core.iteration.stages`) of iteration 0, from the workload's true lengths and
+    the profile's step-time lines; None where core has no model of them."""
+    import numpy as np
+
+    from pivotrl.core.iteration import IterationProfile, RoleProfile, stages
     from pivotrl.core.stage import tail_lengths
     from pivotrl.core.types import Role
     from pivotrl.sim.driver import build_controller, iteration_plan
@@ -106,11 +123,7 @@ def model_ranked(cfg: SimConfig, splits: list[dict[str, int]], k: int) -> list[d
     roles = {r: RoleProfile(len(v), float(np.mean(v)), float(max(v)),
                             tail_lengths(np.asarray(v, dtype=float)), prompts[r]) for r, v in lens.items()}
     prof = IterationProfile(0, 0.0, "static", 0.0, roles)
-    st = stages(ctl.state, ctl.shift_costs, prof)
-    if st is None:
-        return list(splits[:k])
-    reps = {r: np.asarray([s[str(r)] // st[r].g for s in splits], dtype=float) for r in st}
-    return [splits[i] for i, _ in ranked(st, reps, k)]
+    return stages(ctl.state, ctl.shift_costs, prof)
 
 
 def _key(split: dict[str, int]) -> tuple[int, int, int]:

@@ -27,6 +27,7 @@ from pivotrl.core.makespan import (
     best_static,
     first_work,
     group_lag,
+    groups_complete,
     moved_makespan,
     ranked,
     static_makespans,
@@ -654,7 +655,7 @@ def test_ranked_looks_past_the_bound_where_the_last_judgement_decides() -> None:
                tuple(np.geomspace(528.0, 2508.0, fr)))
     rw = Stage(Role.REWARD, 2, n, 351.6, 1053.0, 0.02, 8e-5, 1.0, 256.0, 1.0, True, 0.01,
                tuple(np.geomspace(146.5, 1000.0, fr)))
-    tr = Stage(Role.TRAIN, 1, n, 1000.0, 3000.0, 1e-3, 2e-5, 1000.0, 16.0, 1.0, False, group=8)
+    tr = Stage(Role.TRAIN, 1, n, 1000.0, 3000.0, 1e-3, 2e-5, 1000.0, 16.0, 1.0, False, group=1)
     stg = {Role.ROLLOUT: ro, Role.REWARD: rw, Role.TRAIN: tr}
     every = [c for c in itertools.product(range(1, 25), range(1, 13), range(1, 25))
              if c[0] + 2 * c[1] + c[2] <= 24]
@@ -794,3 +795,66 @@ def test_a_later_iteration_opens_on_the_split_when_it_beats_the_planners_record(
                 assert moved[r] == target[r]
         else:
             assert dec is None or dec.stimulus != "iteration:start-opening"
+
+
+def _fifo_stages(n: float, group: int) -> dict[Role, Stage]:
+    """`n` long-tailed rollouts (100 to 1,500 tokens, 256 slots per replica) feeding a judge and a train
+    stage of groups."""
+    fr = len(TAIL_FRACTIONS)
+    ro = Stage(Role.ROLLOUT, 1, n, 900.0, 1500.0, 0.004, 1.4e-5, 1.0, 256.0, 1.0, True, 0.002,
+               tuple(np.linspace(100.0, 1450.0, fr)))
+    rw = Stage(Role.REWARD, 1, n, 136.0, 400.0, 0.006, 1.1e-5, 1.0, 256.0, 1.0, True, 0.004,
+               tuple(np.geomspace(40.0, 390.0, fr)))
+    tr = Stage(Role.TRAIN, 1, n, 1000.0, 1500.0, 1e-3, 1e-4, 1000.0, 16.0, 1.0, False, group=group)
+    return {Role.ROLLOUT: ro, Role.REWARD: rw, Role.TRAIN: tr}
+
+
+@FEW
+@given(stg=stages_strategy, m_ro=st.integers(1, 40), m_rw=st.integers(1, 40), g=st.sampled_from([2, 8, 64]),
+       spread=st.sampled_from([1.0, 3.0, 100.0]))
+def test_groups_complete_in_order_and_within_the_horizon(stg: dict[Role, Stage], m_ro: int, m_rw: int, g: int,
+                                                         spread: float) -> None:
+    """More complete groups never come sooner, and none after the last judgement (the horizon)."""
+    ro, rw = tailed(stg[Role.ROLLOUT], spread), stg[Role.REWARD]
+    reps = np.asarray([float(m_ro)]), np.asarray([float(m_rw)])
+    up = ro.emissions(reps[0])
+    horizon = rw.after(up, reps[1], 1.0 / max(ro.seqs, 1.0))
+    fgs = tuple(fg for fg in GROUP_FRACTIONS)  # descending: ever more groups complete
+    times = [float(t[0]) for t in groups_complete(ro, rw, *reps, g, fgs, up, horizon)]
+    assert all(0.0 <= t <= float(horizon[0]) * (1 + 1e-9) for t in times)
+    assert all(a <= b * (1 + 1e-9) + 1e-12 for a, b in itertools.pairwise(times))
+
+
+def test_the_first_groups_complete_with_the_first_wave_whatever_queues_behind_it() -> None:
+    """First in, first out: with two replicas of 256 slots, the first complete groups of 16 are the first
+    wave's, so they complete at the same time (5.3 s) whether 2,400 or 9,600 items queue behind it. With
+    every group started at 0 the four times larger stage puts them 7 % later, and the view `groups_complete`
+    replaced (1 − (1 − fg)^(1/16) of the whole stage's judgements left) at 27 s and 106 s."""
+    m = np.asarray([2.0])
+    firsts = []
+    for n in (2400.0, 9600.0):
+        stg = _fifo_stages(n, group=16)
+        ro, rw = stg[Role.ROLLOUT], stg[Role.REWARD]
+        up = ro.emissions(m)
+        horizon = rw.after(up, m, 1.0 / n)
+        (t,) = groups_complete(ro, rw, m, m, 16, (1.0 - 16 * 8 / n,), up, horizon)   # 8 groups complete
+        firsts.append(float(t[0]))
+    assert firsts[1] == pytest.approx(firsts[0], rel=0.02)
+
+
+@FEW
+@given(stg=stages_strategy, n=st.integers(3, 30), cut=st.floats(0.0, 1.0))
+def test_a_search_threshold_changes_no_prediction_that_could_beat_it(stg: dict[Role, Stage], n: int,
+                                                                     cut: float) -> None:
+    """`beat` may leave the group model out only where the split is predicted above it anyway."""
+    gs = [stg[r].g for r in PIPELINE]
+    every = [c for c in itertools.product(*[range(1, n // g + 1) for g in gs])
+             if sum(x * g for x, g in zip(c, gs)) <= n]
+    if not every:
+        return
+    reps = dict(zip(PIPELINE, np.asarray(every, dtype=float).T))
+    full = static_makespans(stg, reps)
+    beat = float(np.quantile(full, cut))
+    cheap = static_makespans(stg, reps, beat=beat)
+    assert np.array_equal(cheap[full <= beat], full[full <= beat])
+    assert np.all(cheap[full > beat] > beat) and np.all(cheap <= full)
