@@ -11,7 +11,7 @@ import math
 
 import numpy as np
 
-from pivotrl.core.stage import Stage
+from pivotrl.core.stage import Stage, arrived_at
 from pivotrl.core.types import PIPELINE, Role
 
 #: Fractions of an iteration's groups still incomplete at which the train stage's backlog is checked.
@@ -105,7 +105,7 @@ def groups_complete(ro: Stage, rw: Stage, m_ro: np.ndarray, m_rw: np.ndarray, g:
     behind = slots + u * (1.0 - slots)
     weight = np.concatenate([np.broadcast_to(slots / half, u.shape[:1] + shape),
                              np.broadcast_to((1.0 - slots) / half, u.shape[:1] + shape)])
-    admit = np.concatenate([np.zeros(u.shape[:1] + shape), _when_ended(up, behind - slots, shape)])
+    admit = np.concatenate([np.zeros(u.shape[:1] + shape), _when_ended(up, behind - slots, n, shape)])
     left = per * ro.mean * np.maximum(0.0, 1.0 - admit / np.maximum(drain, 1e-12))
     prefills = conc * ro.prefill_s
     _, conc_rw, _ = rw._batch(m_rw)
@@ -134,17 +134,14 @@ def groups_complete(ro: Stage, rw: Stage, m_ro: np.ndarray, m_rw: np.ndarray, g:
     return list(hi)
 
 
-def _when_ended(up: dict[float, np.ndarray], ended: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-    """When a fraction `ended` (positions × *shape) of the first stage's items have ended: `up` (fraction
-    still running -> when) interpolated per split, from all running at 0."""
-    fas = sorted(up)
-    f_axis = np.asarray([*fas, 1.0])
-    t_axis = np.stack(np.broadcast_arrays(*(up[f] for f in fas), np.zeros(shape)))
-    f = 1.0 - ended
-    i = np.clip(np.searchsorted(f_axis, f), 1, len(f_axis) - 1)
-    w = (f - f_axis[i - 1]) / np.maximum(f_axis[i] - f_axis[i - 1], 1e-300)
-    i, w = (np.broadcast_to(x, ended.shape[:1] + shape) for x in (i, w))
-    return np.take_along_axis(t_axis, i - 1, 0) * (1.0 - w) + np.take_along_axis(t_axis, i, 0) * w
+def _when_ended(up: dict[float, np.ndarray], ended: np.ndarray, n: float,
+                shape: tuple[int, ...]) -> np.ndarray:
+    """When a fraction `ended` (positions × *shape) of the first stage's n items have ended: the upstream
+    curve `up` (fraction still running -> when) read by `arrived_at`, from none ended at 0."""
+    fas = sorted(up, reverse=True)
+    counts = np.asarray([0.0] + [(1.0 - fa) * n for fa in fas])
+    times = np.stack([np.zeros(shape)] + [np.broadcast_to(up[fa], shape) for fa in fas])
+    return np.stack([arrived_at(counts, times, row * n) for row in ended])
 
 
 def group_lag(ro: Stage, rw: Stage, m_ro: np.ndarray, m_rw: np.ndarray, g: int) -> np.ndarray:
