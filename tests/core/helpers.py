@@ -38,3 +38,16 @@ def ready(ctl: Controller, now: float, timings: ShiftTimings | None = None) -> N
     for rep in list(ctl.state.replicas.values()):
         if rep.state is ReplicaState.SHIFTING:
             ctl.on_shift_done(rep.replica_id, now, timings or ShiftTimings(load=1.0))
+
+
+def rollout_tail(cfg: ControllerConfig) -> Controller:
+    """5 devices placed 4 rollout + 1 reward at t = 0 and ready; two long rollouts (the stage's tail) and 40
+    judgements waiting, dispatched: the end of a rollout stage, where idle rollout replicas should move."""
+    ctl = Controller("shiftable", devices=[f"d{i}" for i in range(5)], config=cfg)
+    ctl.policy.initial_split = {Role.ROLLOUT: 4, Role.REWARD: 1}
+    ctl.tick(0.0)
+    ready(ctl, 0.0)
+    ctl.submit([seq(f"tail{i}", Role.ROLLOUT, max_new=2000, expected_new_tokens=1500) for i in range(2)], 0.0)
+    ctl.submit([seq(f"j{i}", Role.REWARD, max_new=200, expected_new_tokens=150) for i in range(40)], 0.0)
+    ctl.dispatch(0.0)
+    return ctl

@@ -7,7 +7,7 @@ import pytest
 from pivotrl.core import Controller, IterationPlan, Role, RoleSpec, Sequence, ShiftTimings
 from pivotrl.core.types import ReplicaState, SeqState
 
-from .helpers import config, ready, seq
+from .helpers import config, ready, rollout_tail, seq
 
 
 def _rollouts(n: int, max_new: int = 100, exp: float | None = 50.0) -> list[Sequence]:
@@ -117,13 +117,7 @@ def test_tail_shift_moves_rollout_devices_to_reward_keeping_the_tail_running() -
     """The end of a rollout stage: idle rollout replicas (and possibly a tail replica, whose sequence is
     resumed on another rollout replica) move to reward."""
     cfg = config(cooldown_s=0.0, horizon_s=10.0, shift_prior_s=1.0)
-    ctl = Controller("shiftable", devices=[f"d{i}" for i in range(5)], config=cfg)
-    ctl.policy.initial_split = {Role.ROLLOUT: 4, Role.REWARD: 1}
-    ctl.tick(0.0)
-    ready(ctl, 0.0)
-    ctl.submit([seq(f"tail{i}", Role.ROLLOUT, max_new=2000, expected_new_tokens=1500) for i in range(2)], 0.0)
-    ctl.submit([seq(f"j{i}", Role.REWARD, max_new=200, expected_new_tokens=150) for i in range(40)], 0.0)
-    ctl.dispatch(0.0)
+    ctl = rollout_tail(cfg)
     busy_before = {r.replica_id for r in ctl.replicas(Role.ROLLOUT) if r.n}
     dec = ctl.tick(5.0)
     assert dec is not None and dec.reasoning is not None and dec.reasoning.chosen is not None

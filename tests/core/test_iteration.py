@@ -56,14 +56,20 @@ def stage_strategy(role: Role) -> st.SearchStrategy[Stage]:
 stages_strategy = st.fixed_dictionaries({r: stage_strategy(r) for r in PIPELINE})
 
 
+def every_split(stg: dict[Role, Stage], n: int) -> list[tuple[int, ...]]:
+    """Every split of `n` devices into whole replicas of each role (replicas per role, in PIPELINE order),
+    devices left idle included: what a brute force compares a search against."""
+    gs = [stg[r].g for r in PIPELINE]
+    return [c for c in itertools.product(*[range(1, n // g + 1) for g in gs])
+            if sum(x * g for x, g in zip(c, gs)) <= n]
+
+
 @FEW
 @given(stg=stages_strategy, n=st.integers(3, 40))
 def test_best_static_is_the_exhaustive_minimum(stg: dict[Role, Stage], n: int) -> None:
     """The vectorised search returns the minimum over every split into whole replicas (brute force)."""
     found = best_static(stg, n)
-    gs = [stg[r].g for r in PIPELINE]
-    every = [c for c in itertools.product(*[range(1, n // g + 1) for g in gs])
-             if sum(x * g for x, g in zip(c, gs)) <= n]
+    every = every_split(stg, n)
     brute = None
     if every:   # every split at once, by the same full prediction (no bound, no batches)
         cols = np.asarray(every, dtype=float).T
@@ -589,9 +595,7 @@ def test_ranked_is_the_exhaustive_top_k(stg: dict[Role, Stage], n: int, k: int, 
                                         spread: float) -> None:
     """The bound-ordered search returns the k lowest full predictions, whatever its batch size."""
     stg = {**stg, Role.REWARD: tailed(stg[Role.REWARD], spread)}
-    gs = [stg[r].g for r in PIPELINE]
-    every = [c for c in itertools.product(*[range(1, n // g + 1) for g in gs])
-             if sum(x * g for x, g in zip(c, gs)) <= n]
+    every = every_split(stg, n)
     if not every:
         return
     reps = dict(zip(PIPELINE, np.asarray(every, dtype=float).T))
@@ -847,9 +851,7 @@ def test_the_first_groups_complete_with_the_first_wave_whatever_queues_behind_it
 def test_a_search_threshold_changes_no_prediction_that_could_beat_it(stg: dict[Role, Stage], n: int,
                                                                      cut: float) -> None:
     """`beat` may leave the group model out only where the split is predicted above it anyway."""
-    gs = [stg[r].g for r in PIPELINE]
-    every = [c for c in itertools.product(*[range(1, n // g + 1) for g in gs])
-             if sum(x * g for x, g in zip(c, gs)) <= n]
+    every = every_split(stg, n)
     if not every:
         return
     reps = dict(zip(PIPELINE, np.asarray(every, dtype=float).T))

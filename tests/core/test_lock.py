@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from pivotrl.core import Controller, IterationPlan, Role, ShiftTimings
 from pivotrl.core.types import ControllerConfig
 
-from .helpers import config, ready, seq
+from .helpers import config, rollout_tail, seq
 
 FEW = settings(max_examples=300, derandomize=True, deadline=None)
 
@@ -52,13 +52,7 @@ def _shifted(multiple: float, shift_s: float) -> tuple[Controller, list[str]]:
     """5 devices placed 4 rollout + 1 reward at t = 0 (locked 10 s); at 10.5 s the rollout tail's idle
     replicas move to reward, and the shift takes `shift_s`. Returns the devices that shifted."""
     cfg = config(cooldown_s=10.0, cooldown_shift_multiple=multiple, horizon_s=10.0, shift_prior_s=1.0)
-    ctl = Controller("shiftable", devices=[f"d{i}" for i in range(5)], config=cfg)
-    ctl.policy.initial_split = {Role.ROLLOUT: 4, Role.REWARD: 1}
-    ctl.tick(0.0)
-    ready(ctl, 0.0)
-    ctl.submit([seq(f"tail{i}", Role.ROLLOUT, max_new=2000, expected_new_tokens=1500) for i in range(2)], 0.0)
-    ctl.submit([seq(f"j{i}", Role.REWARD, max_new=200, expected_new_tokens=150) for i in range(40)], 0.0)
-    ctl.dispatch(0.0)
+    ctl = rollout_tail(cfg)
     early = ctl.tick(5.0)
     assert early is None or not early.shifts  # still locked by the placement
     dec = ctl.tick(10.5)
