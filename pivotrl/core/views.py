@@ -37,6 +37,7 @@ class RoleView:
     donated: int = 0       # replicas this role gave up in shifts within the last cooldown_s
     done: bool = False     # no live work and none can still reach it this iteration (idle until the next)
     longest_left: float = 0.0  # tokens the iteration's longest item may still need (`_longest_left`)
+    item_s: float = 0.0    # seconds the iteration's longest item spends in this role (`_longest_left`)
 
     def throughput(self, m: float) -> float:
         """Tokens/s of `m` replicas holding this role's sequences, spread evenly (role-shared fit)."""
@@ -119,7 +120,9 @@ def _longest_left(state: ClusterState, base: dict[Role, dict], now: float) -> No
     need — the plan's expected longest (4 × the mean without one) less the most any item can have decoded
     since the iteration began (one token per step of at least `a` seconds). On-policy the iteration ends
     with that item, so `critical_delay` prices it; the live items' mean left (854 tokens on a drawn
-    workload whose longest rollouts ran ~8,000) let the planner slow a rollout still on the critical path."""
+    workload whose longest rollouts ran ~8,000) let the planner slow a rollout still on the critical path.
+    Also, for every generating role (live work or not), `item_s`: that longest item's time on a replica
+    of the role's own at batch 1, what the critical path spends there after the item arrives."""
     plan = state.plan
     if plan is None:
         return
@@ -129,7 +132,10 @@ def _longest_left(state: ClusterState, base: dict[Role, dict], now: float) -> No
     }
     for role, most in longest.items():
         b = base.get(role)
-        if b is None or b["seqs"] <= 0 or b["a"] <= 0:
+        if b is None or b["a"] <= 0:
+            continue
+        b["item_s"] = most * (b["a"] + b["b"] * b["k"])
+        if b["seqs"] <= 0:
             continue
         decoded_at_most = max(now - state.iteration_started_at, 0.0) / b["a"]
         b["longest_left"] = max(most - decoded_at_most, 0.0)
@@ -293,7 +299,11 @@ def critical_delay(views: dict[Role, RoleView], role: Role, to_role: Role, ks: n
     item — takes longer: its remaining time is L × step(m − k), L the longest item's tokens left
     (`RoleView.longest_left`, at least the live items' mean left). It delays the iteration only where it
     outlasts both the current allocation's and the receiver's own drain (downstream is busy until then
-    anyway). Only an upstream role with live work delays what follows it; 0 for every other donor.
+    anyway). The item reaches the receiver only after the roles between them have processed it (rollout
+    → train: its judgement, `RoleView.item_s`), so that time is added to both of its ends before they are
+    compared with the receiver's drain; the receiver's own last item would be on both sides and is left
+    out (docs/decisions.md, "the longest rollout is judged before train sees it"). Only an upstream role
+    with live work delays what follows it; 0 for every other donor.
     Multiply by the cluster's devices for device-seconds: on-policy the whole cluster waits at the
     barrier."""
     v = views[role]
@@ -308,4 +318,5 @@ def critical_delay(views: dict[Role, RoleView], role: Role, to_role: Role, ks: n
     vu = views[to_role]
     gift = ks * v.g // max(vu.g, 1)
     tau_u = (vu.work + vu.arriving_work) / np.maximum(vu.throughput_many(vu.replicas + gift), 1e-300)
-    return np.maximum(t_after - np.maximum(t_now, tau_u), 0.0)
+    chain = sum(views[r].item_s for r in PIPELINE[PIPELINE.index(role) + 1: PIPELINE.index(to_role)])
+    return np.maximum(t_after + chain - np.maximum(t_now + chain, tau_u), 0.0)

@@ -3,6 +3,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -486,3 +487,28 @@ def test_the_critical_delay_prices_the_iterations_longest_item() -> None:
     assert late[Role.ROLLOUT].longest_left == 0.0
     late_delay = float(critical_delay(late, Role.ROLLOUT, Role.TRAIN, ks)[0])
     assert late_delay == pytest.approx(short_delay, abs=1e-9)
+
+
+def test_the_critical_delay_counts_the_judgement_between_the_longest_rollout_and_train() -> None:
+    """Train gets the longest rollout only after it has been judged: a train drain that outlasts rollout's
+    own remaining time hides a slower rollout only if it also outlasts that judgement. The receiver's own
+    last item is on both sides of the comparison, so a gift to reward is priced as before."""
+    ks = np.asarray([1])
+    _, views = _long_rollout_state(5000.0, now=0.5)
+    ro = views[Role.ROLLOUT]
+    t_now = ro.longest_left * float(ro.step_many(np.asarray([ro.replicas]))[0])
+    t_after = ro.longest_left * float(ro.step_many(np.asarray([ro.replicas - 1]))[0])
+    for role in (Role.REWARD, Role.TRAIN):   # each drains just after the slower rollout, with the gift
+        v = replace(views[role], seqs=10.0, arriving_seqs=0.0, arriving_work=0.0)
+        thr = float(v.throughput_many(np.asarray([v.replicas + 1]))[0])
+        views[role] = replace(v, work=1.01 * t_after * thr)
+
+    def delay(judge_s: float, to_role: Role) -> float:
+        judged = {**views, Role.REWARD: replace(views[Role.REWARD], item_s=judge_s)}
+        return float(critical_delay(judged, Role.ROLLOUT, to_role, ks)[0])
+
+    assert delay(0.0, Role.TRAIN) == 0.0
+    judge_s = 0.5 * t_now
+    assert t_after > 1.001 * t_now
+    assert delay(judge_s, Role.TRAIN) == pytest.approx(t_after - t_now)   # the whole slowdown
+    assert delay(judge_s, Role.REWARD) == delay(0.0, Role.REWARD) == 0.0
