@@ -10,6 +10,7 @@
     python -m benchmarks.sim random [--quick] [--workloads 52] [--jobs 2] [--json OUT.json]
                                               # drawn workloads (pivotrl.sim.randomized): does shiftable
                                               # ever lose to the best of colocated and the best static split?
+                    [--search-top-k 8 --search-simulations 60]   # ... against a deeper static search
 
 Every paradigm runs side by side on the same workload in one process; decisions are made by pivotrl.core.
 Ratios are printed last.
@@ -240,13 +241,16 @@ def speed(args: argparse.Namespace) -> None:
                       "under_5s": max(out.values()) < 5.0}))
 
 
-def _random_one(seed: int, quick: bool) -> dict[str, Any]:
-    """One drawn workload: colocated, the searched best static split and shiftable, side by side."""
+def _random_one(seed: int, quick: bool, search: dict[str, int] | None = None) -> dict[str, Any]:
+    """One drawn workload: colocated, the searched best static split and shiftable, side by side.
+    `search`: overrides of the draw's static search (`SearchConfig` fields), for a deeper baseline."""
     from pivotrl.sim.compare import compare
     from pivotrl.sim.randomized import draw_config
 
     t0 = time.perf_counter()
     cfg, draw = draw_config(seed, quick)
+    if search:
+        cfg = cfg.model_copy(update={"search": cfg.search.model_copy(update=search)})
     rep = compare(cfg)
     results = rep.pop("_results")
     tps = rep["tokens_per_s_per_device"]
@@ -274,9 +278,11 @@ def random_workloads(args: argparse.Namespace) -> None:
     where shiftable is below that best by more than 1 % (the acceptance line is a worst ratio >= 0.99)."""
     t0 = time.perf_counter()
     seeds = list(range(args.first_seed, args.first_seed + args.workloads))
+    search = {k: v for k, v in (("top_k", args.search_top_k), ("max_simulations", args.search_simulations))
+              if v is not None}
     rows: list[dict[str, Any]] = []
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
-        futs = [pool.submit(_random_one, s, args.quick) for s in seeds]
+        futs = [pool.submit(_random_one, s, args.quick, search) for s in seeds]
         for fut in futs:
             r = fut.result()
             rows.append(r)
@@ -291,6 +297,7 @@ def random_workloads(args: argparse.Namespace) -> None:
     losses = [r["seed"] for r in rows if r["ratio_vs_best_of_static_and_colocated"] < 0.99]
     out = {
         "quick": args.quick,
+        "search_overrides": search,
         "workloads": len(rows),
         "worst_ratio_vs_best_of_static_and_colocated": min(ratios),
         "median_ratio_vs_best_of_static_and_colocated": statistics.median(ratios),
@@ -376,6 +383,10 @@ def main() -> None:
     rnd.add_argument("--first-seed", type=int, default=0)
     rnd.add_argument("--jobs", type=int, default=2)
     rnd.add_argument("--json", dest="json_out", default=None, metavar="OUT.json")
+    rnd.add_argument("--search-top-k", type=int, default=None, metavar="K",
+                     help="a deeper static baseline: the model's K best splits (default: the draw's 3)")
+    rnd.add_argument("--search-simulations", type=int, default=None, metavar="N",
+                     help="... and at most N splits in all (default: the draw's 12 with --quick, else 24)")
     gap = sub.add_parser("static-gap")
     gap.add_argument("--quick", action="store_true")
     gap.add_argument("--workloads", type=int, default=12, help="seeds to draw (those with 65-400 splits run)")
