@@ -241,6 +241,17 @@ def speed(args: argparse.Namespace) -> None:
                       "under_5s": max(out.values()) < 5.0}))
 
 
+def _at_least_one(text: str) -> int:
+    """argparse type of a search width: an integer >= 1 (`SearchConfig`'s own bound)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def _random_one(seed: int, quick: bool, search: dict[str, int] | None = None) -> dict[str, Any]:
     """One drawn workload: colocated, the searched best static split and shiftable, side by side.
     `search`: overrides of the draw's static search (`SearchConfig` fields), for a deeper baseline."""
@@ -383,9 +394,9 @@ def main() -> None:
     rnd.add_argument("--first-seed", type=int, default=0)
     rnd.add_argument("--jobs", type=int, default=2)
     rnd.add_argument("--json", dest="json_out", default=None, metavar="OUT.json")
-    rnd.add_argument("--search-top-k", type=int, default=None, metavar="K",
+    rnd.add_argument("--search-top-k", type=_at_least_one, default=None, metavar="K",
                      help="a deeper static baseline: the model's K best splits (default: the draw's 3)")
-    rnd.add_argument("--search-simulations", type=int, default=None, metavar="N",
+    rnd.add_argument("--search-simulations", type=_at_least_one, default=None, metavar="N",
                      help="... and at most N splits in all (default: the draw's 12 with --quick, else 24)")
     gap = sub.add_parser("static-gap")
     gap.add_argument("--quick", action="store_true")

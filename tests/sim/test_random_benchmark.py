@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from benchmarks.sim import _random_one
+import argparse
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from benchmarks.sim import _at_least_one, _random_one
 
 
 def test_a_wider_search_is_the_one_the_draw_runs() -> None:
@@ -15,3 +21,16 @@ def test_a_wider_search_is_the_one_the_draw_runs() -> None:
     assert quick["static_search"]["splits_simulated"] <= 12
     assert wide["static_search"]["splits_simulated"] <= 14
     assert wide["tokens_per_s_per_device"]["shiftable"] == quick["tokens_per_s_per_device"]["shiftable"]
+
+
+@given(st.one_of(st.integers(-10**6, 10**6).map(str), st.text(max_size=8)))
+def test_a_search_width_is_an_integer_of_at_least_one(text: str) -> None:
+    try:
+        expected = int(text)
+    except ValueError:
+        expected = None
+    if expected is not None and expected >= 1:
+        assert _at_least_one(text) == expected
+    else:
+        with pytest.raises(argparse.ArgumentTypeError):
+            _at_least_one(text)
