@@ -11,7 +11,7 @@ import math
 
 import numpy as np
 
-from pivotrl.core.stage import Stage, arrived_at
+from pivotrl.core.stage import Stage, arrival_points, arrived_at
 from pivotrl.core.types import PIPELINE, Role
 
 #: Fractions of an iteration's groups still incomplete at which the train stage's backlog is checked.
@@ -138,9 +138,7 @@ def _when_ended(up: dict[float, np.ndarray], ended: np.ndarray, n: float,
                 shape: tuple[int, ...]) -> np.ndarray:
     """When a fraction `ended` (positions × *shape) of the first stage's n items have ended: the upstream
     curve `up` (fraction still running -> when) read by `arrived_at`, from none ended at 0."""
-    fas = sorted(up, reverse=True)
-    counts = np.asarray([0.0] + [(1.0 - fa) * n for fa in fas])
-    times = np.stack([np.zeros(shape)] + [np.broadcast_to(up[fa], shape) for fa in fas])
+    counts, times = arrival_points(up, n, shape)
     return np.stack([arrived_at(counts, times, row * n) for row in ended])
 
 

@@ -42,6 +42,16 @@ def arrived_at(counts: np.ndarray, times: np.ndarray, items: np.ndarray) -> np.n
     return t_lo + w * (t_hi - t_lo)
 
 
+def arrival_points(up_emitted: dict[float, np.ndarray], n: float,
+                   shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """The upstream curve `up_emitted` (fraction still running -> when) as `arrived_at`'s points: items
+    arrived by each point, from none at 0, and the times (one row per point, `shape` per row)."""
+    fas = sorted(up_emitted, reverse=True)
+    counts = np.asarray([0.0] + [(1.0 - fa) * n for fa in fas])
+    times = np.stack([np.zeros(shape)] + [np.broadcast_to(up_emitted[fa], shape) for fa in fas])
+    return counts, times
+
+
 def tail_lengths(lengths: np.ndarray) -> tuple[float, ...]:
     """The lengths exceeded by each of `TAIL_FRACTIONS` of `lengths` (empty for no lengths)."""
     if lengths.size == 0:
@@ -249,8 +259,7 @@ class Stage:
         m = np.maximum(np.asarray(m, dtype=float), 1e-12)
         fas = sorted(up_emitted, reverse=True)
         shape = np.broadcast(m, *(np.asarray(up_emitted[fa]) for fa in fas)).shape
-        counts = np.asarray([0.0] + [(1.0 - fa) * n for fa in fas])  # items arrived by each point
-        times = np.stack([np.zeros(shape)] + [np.broadcast_to(up_emitted[fa], shape) for fa in fas])
+        counts, times = arrival_points(up_emitted, n, shape)
         slots = np.broadcast_to(np.minimum(m * conc, n), shape)
         sojourn = np.broadcast_to(self.mean * self.step(conc) + conc * self.prefill_s, shape)
         out = {}
