@@ -11,10 +11,11 @@ Pure: numbers in, numbers out.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
-from pivotrl.core.types import Role
+from pivotrl.core.types import PIPELINE, Role
 
 #: Fractions f at which a length profile holds the length exceeded by a fraction f of the items. With the
 #: longest item they describe where a stage's tail is: the items that end a stage are the long ones that
@@ -132,7 +133,7 @@ class Stage:
         if not self.decode:
             return drain, drain + step
         drain = drain + per * self.prefill_s
-        q = np.maximum(0.0, 1.0 - conc / per) * drain
+        q = self.queued_until(drain, per, conc)
         first = conc * self.prefill_s
         end = drain
         fs, ls = self.points()
@@ -141,6 +142,39 @@ class Stage:
             start = q * (1.0 - 1.0 / (f * n + 1.0))
             end = np.maximum(end, start + self.run_s(start, length, drain, per, conc) + first)
         return drain, end
+
+    def queued_until(self, drain: np.ndarray, per: np.ndarray, conc: np.ndarray) -> np.ndarray:
+        """When a replica starts its last queued item (0 if all of its `per` items fit one batch): the
+        fluid share of the drain, 1 − conc / per of it, or, for the first stage, the renewal estimate
+        where that is later.
+
+        A slot frees only when its item ends. The first stage's items are all there at 0 and its first
+        wave starts together, so by renewal theory a slot has ended x items after about
+        mean · (x + (1 − cv²) / 2) steps (cv: the lengths' coefficient of variation; for x < 1 no later
+        than the shortest x of the first wave), and every one of the `per` prompts has been prefilled by
+        then, the first wave's too (the fluid share charges only its own share of them). On random draw
+        45 (4 rollout replicas of 680 items, 256 at once, cv² 1.08) that puts the last start at 4.0 s
+        against the simulator's 4.4 s; the fluid share said 3.3 s. Never before the fluid share: where
+        lengths vary more, short items free their slots early, by more than the asymptote can say. Not
+        for a downstream stage: its items arrive over the upstream's span and its slots do not cycle in
+        step (applied to the judge stage too, random draw 21 went from 0.994 to 0.963 of its baseline)."""
+        fluid = np.maximum(0.0, 1.0 - conc / per) * drain
+        if not self.decode or self.role is not PIPELINE[0]:
+            return fluid
+        x = np.maximum(per - conc, 0.0) / np.maximum(conc, 1e-12)  # items a slot ends before the last starts
+        steps = self.mean * (x + 0.5 * (1.0 - self._cv2))
+        steps = np.where(x < 1.0, np.minimum(steps, self.length_at(np.clip(1.0 - x, 1e-12, 1.0))), steps)
+        renewal = np.maximum(steps, 0.0) * self.step(conc) + self.prefill_s * per
+        return np.where(per > conc, np.maximum(fluid, renewal), fluid)
+
+    @cached_property
+    def _cv2(self) -> float:
+        """The squared coefficient of variation of the length profile (from the integrals of
+        `longer_than`: E[length] and E[length²])."""
+        x = np.linspace(0.0, self.longest, 257)
+        p = self.longer_than(x)
+        first, second = float(np.trapezoid(p, x)), float(np.trapezoid(2.0 * x * p, x))
+        return second / max(first * first, 1e-12) - 1.0
 
     def run_s(self, start: np.ndarray, length: float | np.ndarray, drain: np.ndarray, per: np.ndarray,
               conc: np.ndarray) -> np.ndarray:
@@ -199,7 +233,7 @@ class Stage:
             f = 0.0  # the last item: the whole drain
         if not self.decode:
             return drain * (1.0 - f)
-        q = np.maximum(0.0, 1.0 - conc / per) * drain
+        q = self.queued_until(drain, per, conc)
         n = max(self.seqs, 1.0)
         out = drain * (1.0 - f)
         fs, ls = self.points()

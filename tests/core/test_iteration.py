@@ -860,3 +860,45 @@ def test_a_search_threshold_changes_no_prediction_that_could_beat_it(stg: dict[R
     cheap = static_makespans(stg, reps, beat=beat)
     assert np.array_equal(cheap[full <= beat], full[full <= beat])
     assert np.all(cheap[full > beat] > beat) and np.all(cheap <= full)
+
+
+def _first_stage(length: float, cap: float, prefill_s: float, tail: tuple[float, ...] = ()) -> Stage:
+    return Stage(Role.ROLLOUT, 1, 7000.0, length, length, 0.01, 4e-5, 1.0, cap, 1.0, True, prefill_s,
+                 tail or (length,) * len(TAIL_FRACTIONS))
+
+
+def test_the_first_stage_queue_empties_a_half_wave_after_the_fluid_share() -> None:
+    """Equal lengths, 3.5 items per slot: every slot ends its first item after L steps, its second after
+    2L and its third after 3L; only then do the last queued items start. The fluid share (2.5 items'
+    worth of steps) is half an item early, and it charges only 5/7 of the prompts' prefills, which have
+    all been made by then. A downstream stage keeps the fluid share (its items arrive spread out)."""
+    length, cap, prefill = 200.0, 250.0, 0.002
+    s = _first_stage(length, cap, prefill)
+    m = np.asarray(s.seqs / (3.5 * cap))
+    per, conc, step = s._batch(m)
+    drain, _ = s.timing(m)
+    got = float(s.queued_until(drain, per, conc))
+    whole_waves = 3.0 * length * float(step) + float(per) * prefill
+    assert got == pytest.approx(whole_waves, rel=0.02)
+    fluid = float((1.0 - conc / per) * drain)
+    assert got - fluid >= 0.4 * length * float(step)
+    judge = dataclasses.replace(s, role=Role.REWARD)
+    assert float(judge.queued_until(drain, per, conc)) == pytest.approx(fluid)
+
+
+@FEW
+@given(s=stage_strategy(Role.ROLLOUT), m=st.integers(1, 60), spread=st.floats(1.0, 100.0))
+def test_the_queue_never_empties_before_the_fluid_share_nor_later_with_more_replicas(
+        s: Stage, m: int, spread: float) -> None:
+    s = tailed(s, spread)
+
+    def queued(reps: float) -> float:
+        r = np.asarray(reps)
+        per, conc, _ = s._batch(r)
+        drain, _ = s.timing(r)
+        fluid = float(np.maximum(0.0, 1.0 - conc / per) * drain)
+        q = float(s.queued_until(drain, per, conc))
+        assert q >= fluid - 1e-12
+        return q
+
+    assert queued(m + 1.0) <= queued(float(m)) * (1 + 1e-9) + 1e-12
