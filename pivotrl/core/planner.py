@@ -55,10 +55,19 @@ from pivotrl.core.decision import Candidate, PlanReasoning
 from pivotrl.core.shiftcost import ShiftCostModel
 from pivotrl.core.state import ClusterState
 from pivotrl.core.types import PIPELINE, Replica, ReplicaState, Role
-from pivotrl.core.views import RoleView, critical_delay, drain_value, keep_limit, role_views, tau
+from pivotrl.core.views import (
+    RoleView,
+    critical_delay,
+    drain_floor,
+    drain_value,
+    keep_limit,
+    role_views,
+    tau,
+)
 
 __all__ = ["Donor", "DonorPool", "PlanResult", "RoleView", "critical_delay", "donor_penalty", "donor_pools",
-           "drain_value", "keep_limit", "plan", "plan_for", "return_trip_s", "role_views", "tau"]
+           "drain_floor", "drain_value", "keep_limit", "plan", "plan_for", "return_trip_s", "role_views",
+           "tau"]
 
 
 @dataclass(frozen=True)
@@ -155,9 +164,10 @@ def donor_pools(state: ClusterState, views: dict[Role, RoleView], now: float) ->
 
 
 def plan(state: ClusterState, costs: ShiftCostModel, now: float) -> PlanResult:
-    """Run the five steps. Roles are tried as shift-up role in decreasing τ; the first whose best candidate
-    clears the margin wins. (A role can be furthest behind yet unable to use a device — a tail of fewer
-    sequences than replicas — in which case the next role in τ order gets the devices.)"""
+    """Run the five steps. Roles are tried as shift-up role in decreasing τ, after the role that holds the
+    iteration up if one does (`drain_floor`); the first whose best candidate clears the margin wins. (A
+    role can be furthest behind yet unable to use a device — a tail of fewer sequences than replicas — in
+    which case the next role in that order gets the devices.)"""
     cfg = state.config
     views = role_views(state, cfg.horizon_s, now)
     taus = tau(views)
@@ -166,9 +176,11 @@ def plan(state: ClusterState, costs: ShiftCostModel, now: float) -> PlanResult:
     tau_s = {str(r): t for r, t in taus.items()}
     threshold = cfg.hysteresis * cfg.horizon_s   # margin per device moved (device-seconds)
 
-    # Step 1: roles with work, furthest behind first.
-    order = sorted((r for r in views if views[r].work > 0), key=lambda r: (-taus[r], -views[r].work,
-                                                                            state.roles.index(r)))
+    # Step 1: roles with work, furthest behind first; but first the role that holds the iteration up, if one
+    # does (`drain_floor`): a role downstream of it is furthest behind only until it releases its work.
+    holds = {r: drain_floor(views, r) is not None for r in views}
+    order = sorted((r for r in views if views[r].work > 0),
+                   key=lambda r: (not holds[r], -taus[r], -views[r].work, state.roles.index(r)))
     if not order:
         return PlanResult(PlanReasoning(now, tau_s, thr, work, None, (), None, threshold, "no role has work"),
                           None, (), None)
@@ -248,15 +260,16 @@ def plan_for(state: ClusterState, costs: ShiftCostModel, views: dict[Role, RoleV
     max_x = min(max_x, math.floor(cfg.max_shift_fraction * total_devices + 1e-9))
     if max_x < vu.g:
         return _Evaluation(u, vu.g, "not enough movable devices", per_device)
-    # u's own gain: its work over H, or, when u is all that is left of the iteration (every other role done),
-    # the iteration ending sooner (`drain_value`) if that is worth more.
-    last = all(v.done for r, v in views.items() if r is not u)
-    shift_s = max(costs.duration(p.role, u) for p, _, _ in layers) if last else 0.0
+    # u's own gain: its work over H, or, when u holds the rest of the iteration up (every role upstream of it
+    # done), the iteration ending sooner (`drain_value`, above `drain_floor`) if that is worth more.
+    floor = drain_floor(views, u)
+    shift_s = max(costs.duration(p.role, u) for p, _, _ in layers) if floor is not None else 0.0
 
     def u_gain(x: np.ndarray) -> np.ndarray:
         g = vu.processed_many(vu.replicas + x // vu.g) - vu.processed(vu.replicas)
-        if last:
-            g = np.maximum(g, drain_value(vu, x // vu.g, total_devices, shift_s, cfg.lock_after(shift_s)))
+        if floor is not None:
+            g = np.maximum(g, drain_value(vu, x // vu.g, total_devices, shift_s, cfg.lock_after(shift_s),
+                                          floor))
         return g
 
     # G can only shrink below u's own gain (donor losses and φ are never negative): skip hopeless roles.
