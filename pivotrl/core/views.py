@@ -165,8 +165,9 @@ def drain_floor(views: dict[Role, RoleView], u: Role) -> float | None:
     its own work (live, and arriving within H) at those replicas: that drain is the floor. A role after
     it without a replica sets none, since it can only work once `u` releases devices. Traced on the
     2-device cluster: when the rollouts ended, the free device went to train (no replica, one group),
-    not to the judge (one replica, the rest of the judgements), and the judge drained alone, 0.14 s
-    slower an iteration than colocated (docs/decisions.md#the-drain-value-of-the-first-role-with-work).
+    not to the judge (one replica, the rest of the judgements), and the judge drained alone: 0.14 s
+    slower than colocated in that iteration as simulated from the cluster's profile
+    (docs/decisions.md#the-drain-value-of-the-first-role-with-work).
     Without the floor the paper reconstruction lost 1.1 %: the judge took devices while train was
     behind anyway."""
     if u not in PIPELINE:
