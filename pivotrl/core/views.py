@@ -161,7 +161,8 @@ def drain_floor(views: dict[Role, RoleView], u: Role) -> float | None:
 
     On-policy the next iteration starts once the last role drains. Once every role upstream of `u` is
     done, nothing reaches the roles after it but what it releases, so `u` draining sooner ends the
-    iteration sooner. That holds unless a role after it, holding replicas, would take longer to drain
+    iteration sooner (the first stage, with nothing upstream, holds it up while it has work). That holds
+    unless a role after it, holding replicas, would take longer to drain
     its own work (live, and arriving within H) at those replicas: that drain is the floor. A role after
     it without a replica sets none, since it can only work once `u` releases devices. Traced on the
     2-device cluster: when the rollouts ended, the free device went to train (no replica, one group),
