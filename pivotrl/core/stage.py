@@ -217,23 +217,27 @@ class Stage:
         drain's share of them, or, for each point (fp, length) with fp ≥ f, the (f·n)-th latest start
         among the fp·n items at least `length` long (q·(1 − f·n / (fp·n + 1)), starts uniform over the
         queued part q) plus its run (`run_s`). f = 1/n gives `timing`'s end."""
-        drain, _ = self.timing(m)
-        per, conc, _ = self._batch(m)
-        return self._emitted(f, drain, per, conc)
+        return self._emitted(f, *self._queue(m))
 
     def emissions(self, m: np.ndarray) -> dict[float, np.ndarray]:
         """`emitted` at each of the stage's length points: the upstream curve `after` takes."""
+        queue = self._queue(m)
+        fs, _ = self.points()
+        return {float(f): self._emitted(float(f), *queue) for f in fs}
+
+    def _queue(self, m: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(drain, items per replica, batch, `queued_until`) with `m` replicas: what every `_emitted` call
+        reads, computed once for all of a caller's fractions."""
         drain, _ = self.timing(m)
         per, conc, _ = self._batch(m)
-        fs, _ = self.points()
-        return {float(f): self._emitted(float(f), drain, per, conc) for f in fs}
+        return drain, per, conc, self.queued_until(drain, per, conc)
 
-    def _emitted(self, f: float, drain: np.ndarray, per: np.ndarray, conc: np.ndarray) -> np.ndarray:
+    def _emitted(self, f: float, drain: np.ndarray, per: np.ndarray, conc: np.ndarray,
+                 q: np.ndarray) -> np.ndarray:
         if f * max(self.seqs, 1.0) <= 1.0 + 1e-9:
             f = 0.0  # the last item: the whole drain
         if not self.decode:
             return drain * (1.0 - f)
-        q = self.queued_until(drain, per, conc)
         n = max(self.seqs, 1.0)
         out = drain * (1.0 - f)
         fs, ls = self.points()
@@ -259,13 +263,12 @@ class Stage:
                fs: tuple[float, ...], starts: dict[float, np.ndarray] | None = None) -> list[np.ndarray]:
         """`after` at each of `fs`, the stage's drain and batch computed once for all of them; `starts` is
         `admitted(up_emitted, m)` when the caller has it already."""
-        drain, _ = self.timing(m)
-        per, conc, _ = self._batch(m)
+        drain, per, conc, q = self._queue(m)
         if starts is None:
             starts = self.admitted(up_emitted, m)
         out = []
         for f in fs:
-            own = self._emitted(f, drain, per, conc)
+            own = self._emitted(f, drain, per, conc, q)
             for fa, t in starts.items():
                 if fa >= f:
                     length = self.length_at(np.asarray(f / fa))
