@@ -178,9 +178,9 @@ def plan(state: ClusterState, costs: ShiftCostModel, now: float) -> PlanResult:
 
     # Step 1: roles with work, furthest behind first; but first the role that holds the iteration up, if one
     # does (`drain_floor`): a role downstream of it is furthest behind only until it releases its work.
-    holds = {r: drain_floor(views, r) is not None for r in views}
+    floors = {r: drain_floor(views, r) for r in views}
     order = sorted((r for r in views if views[r].work > 0),
-                   key=lambda r: (not holds[r], -taus[r], -views[r].work, state.roles.index(r)))
+                   key=lambda r: (floors[r] is None, -taus[r], -views[r].work, state.roles.index(r)))
     if not order:
         return PlanResult(PlanReasoning(now, tau_s, thr, work, None, (), None, threshold, "no role has work"),
                           None, (), None)
@@ -188,7 +188,7 @@ def plan(state: ClusterState, costs: ShiftCostModel, now: float) -> PlanResult:
     shown: _Evaluation | None = None
     tried: list[str] = []
     for u in order:
-        ev = plan_for(state, costs, views, pools, u, threshold)
+        ev = plan_for(state, costs, views, pools, u, threshold, floors[u])
         tried.append(f"{u}: {ev.note}")
         if shown is None or (shown.xs.size == 0 and ev.xs.size > 0):
             shown = ev  # with nothing chosen, show the most-behind role that had candidates
@@ -232,8 +232,8 @@ class _Evaluation:
 
 
 def plan_for(state: ClusterState, costs: ShiftCostModel, views: dict[Role, RoleView],
-             pools: list[DonorPool], u: Role, threshold: float) -> _Evaluation:
-    """Steps 2-5 for shift-up role `u`."""
+             pools: list[DonorPool], u: Role, threshold: float, floor: float | None) -> _Evaluation:
+    """Steps 2-5 for shift-up role `u`; `floor` is `drain_floor(views, u)`, which `plan` has already."""
     cfg = state.config
     vu = views[u]
     # A role with work and no replica at all is starving: any positive B will do (no margin).
@@ -262,7 +262,6 @@ def plan_for(state: ClusterState, costs: ShiftCostModel, views: dict[Role, RoleV
         return _Evaluation(u, vu.g, "not enough movable devices", per_device)
     # u's own gain: its work over H, or, when u holds the rest of the iteration up (every role upstream of it
     # done), the iteration ending sooner (`drain_value`, above `drain_floor`) if that is worth more.
-    floor = drain_floor(views, u)
     shift_s = max(costs.duration(p.role, u) for p, _, _ in layers) if floor is not None else 0.0
 
     def u_gain(x: np.ndarray) -> np.ndarray:
