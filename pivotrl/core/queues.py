@@ -18,6 +18,8 @@ class WaitingQueue:
         self._heap: list[tuple[int, int, str]] = []
         self._live: dict[str, tuple[int, int, str]] = {}
         self._seqs: dict[str, Sequence] = {}
+        self._context: dict[str, int] = {}
+        self.context_tokens = 0  # Σ tokens the waiting sequences prefill when they start (prompt + generated)
 
     def __len__(self) -> int:
         return len(self._live)
@@ -32,6 +34,8 @@ class WaitingQueue:
         key = (0 if seq.aborts > 0 else 1, order, seq.seq_id)
         self._live[seq.seq_id] = key
         self._seqs[seq.seq_id] = seq
+        self._context[seq.seq_id] = seq.context_tokens
+        self.context_tokens += seq.context_tokens
         heapq.heappush(self._heap, key)
 
     def _prune(self) -> None:
@@ -49,12 +53,14 @@ class WaitingQueue:
             return None
         key = heapq.heappop(self._heap)
         del self._live[key[2]]
+        self.context_tokens -= self._context.pop(key[2])
         return self._seqs.pop(key[2])
 
     def remove(self, seq_id: str) -> Sequence | None:
         if seq_id not in self._live:
             return None
         del self._live[seq_id]
+        self.context_tokens -= self._context.pop(seq_id)
         if len(self._heap) > 2 * len(self._live) + 64:  # compact so stale entries cannot pile up
             self._heap = sorted(self._live.values())
         return self._seqs.pop(seq_id)

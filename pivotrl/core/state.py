@@ -59,6 +59,7 @@ class ClusterState:
         self.plan: IterationPlan | None = None
         self.submitted: dict[Role, int] = dict.fromkeys(self.roles, 0)
         self.finished: dict[Role, int] = dict.fromkeys(self.roles, 0)
+        self.prompt_sum: dict[Role, int] = dict.fromkeys(self.roles, 0)  # Σ prompt tokens ever submitted
 
     def rollouts_unsubmitted(self) -> bool:
         """Has the iteration plan announced rollouts that the driver has not submitted yet?"""
@@ -189,6 +190,7 @@ class ClusterState:
         self.remaining[r] += seq.remaining_estimate()
         self.kv_sum[r] += self.kv_need(seq)
         self.submitted[r] += 1
+        self.prompt_sum[r] += seq.prompt_tokens
         self._enqueue(seq)
 
     def _enqueue(self, seq: Sequence) -> None:
@@ -310,6 +312,8 @@ class ClusterState:
                 assert s.seq_id not in seen, f"{s.seq_id} both waiting and running"
                 assert s.state is SeqState.WAITING and s.role is role and s.replica_id is None, s.seq_id
                 seen[s.seq_id] = "queue"
+            # Counted at push; a waiting sequence's context only grows (late progress reports).
+            assert 0 <= q.context_tokens <= sum(s.context_tokens for s in q.values()), role
         assert set(seen) == set(self.seqs), "a live sequence is neither waiting nor running"
         for role in self.roles:
             live = [s for s in self.seqs.values() if s.role is role]

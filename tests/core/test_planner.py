@@ -576,3 +576,24 @@ def test_a_downstream_role_that_drains_later_anyway_is_the_floor() -> None:
     assert np.all(free > 0)
     assert rw.work / rw.throughput(rw.replicas) < floor   # the judge drains first even alone
     assert np.all(drain_value(rw, ks, 3, 0.01, 0.0, floor) <= 0)
+
+
+@CI
+@given(n=st.integers(1, 60), prompt=st.integers(1, 2900), new=st.integers(2, 900), m=st.integers(1, 12))
+def test_a_queued_items_prefill_lengthens_its_roles_drain(n: int, prompt: int, new: int, m: int) -> None:
+    """The views charge the prompt prefill a role's queued items still owe: with it, draining the role's
+    work on `m` replicas takes exactly the decode time plus the owed prefill seconds spread over the busy
+    replicas (a prompt's prefill pauses its replica). Dispatched items have prefilled and owe nothing."""
+    cfg = config(horizon_s=10.0)
+    stt = active_state(cfg, {Role.ROLLOUT: 1, Role.REWARD: 1, Role.TRAIN: 1})
+    for i in range(n):
+        stt.admit(seq(f"j{i}", Role.REWARD, prompt=prompt, max_new=1000, expected_new_tokens=new), 0.0)
+    dispatch_all(stt)
+    queued = len(stt.queues[Role.REWARD])
+    v = role_views(stt, cfg.horizon_s)[Role.REWARD]
+    model = stt.role_models[Role.REWARD]
+    bare = replace(v, b=model.b)
+    owed = queued * prompt / cfg.spec(Role.REWARD).prefill_tokens_per_s
+    busy = min(m, v.seqs + v.arriving_seqs)
+    assert v.work / v.throughput(m) == pytest.approx(v.work / bare.throughput(m) + owed / busy, rel=1e-9)
+    assert (v.b > model.b) == (queued > 0)

@@ -1,10 +1,13 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from pivotrl.core import Role
+from pivotrl.core import Role, Sequence
 from pivotrl.core.queues import WaitingQueue
 
+from ._hyp import CI
 from .helpers import seq
 
 
@@ -47,3 +50,21 @@ def test_double_push_rejected() -> None:
     q.push(s, 1)
     with pytest.raises(ValueError):
         q.push(s, 2)
+
+
+@CI
+@given(ops=st.lists(st.tuples(st.sampled_from(["push", "pop", "remove"]), st.integers(0, 7),
+                              st.integers(0, 500), st.integers(0, 300)), max_size=60))
+def test_context_tokens_is_what_the_waiting_sequences_prefill(ops) -> None:
+    """`context_tokens` (the prefill the planner's views charge) equals the sum over waiting sequences of
+    prompt + generated, through any mix of push, pop and lazy removal."""
+    q = WaitingQueue()
+    for n, (op, i, prompt, generated) in enumerate(ops):
+        sid = f"s{i}"
+        if op == "push" and sid not in q:
+            q.push(Sequence(sid, Role.REWARD, prompt, 400, generated=generated, aborts=int(generated > 0)), n)
+        elif op == "pop":
+            q.pop()
+        elif op == "remove":
+            q.remove(sid)
+        assert q.context_tokens == sum(s.prompt_tokens + s.generated for s in q.values())
