@@ -9,7 +9,9 @@ on-policy and with `run.max_staleness: 1`), in `--repeats` interleaved rounds (d
 next, more than the error measured. The profile is read off those runs only — no constant
 is typed in: the sequences' lengths (every sample's prompt, response, judge prompt and critique), core's own
 fitted step-time line and prefill rate per role (`Controller.snapshot()["step_fits"]`), training tokens/s
-per device (train busy seconds over trained tokens), the measured shift time into each role, the driver's
+per device (trained tokens over train busy seconds) with one train replica (the static groupings) and its
+loss with two at once (colocated: the data-parallel efficiency of a doubling), the measured shift time into
+each role plus the shifting device time per shift beyond those phases (`shift_overhead`), the driver's
 barrier (optimizer step + publish), the control plane's part of it (from the last train item to the next
 iteration's first request, less that step) and each rollout device's weight sync per iteration. The
 simulator then runs each configuration with that profile. Both sides are measured the same way: the mean
@@ -88,14 +90,19 @@ def profile(cfg: Any, by_config: dict[str, list[Any]], onpolicy: list[str]) -> d
     # core's prefill rate per role (the time of steps that admitted prompts beyond the decode line)
     prefill = {role: [r["step_fits"][role]["prefill_tokens_per_s"] for r in rows
                       if r["step_fits"][role].get("prefill_tokens_per_s")] for role in ("rollout", "reward")}
-    train_busy = sum(d.get("train", 0.0) + d.get("flush", 0.0)
-                     for r in rows for d in r["device_time"].values())
-    train_tokens = sum(r["tokens_train"] for r in rows)
+    # train's rate with one replica (the static groupings train on one device) and with two at once
+    # (colocated moves both devices to train together): their ratio is the data-parallel efficiency of one
+    # doubling; shiftable, which mixes both, is left to check it
+    one = train_rate([res for name, results in by_config.items() if name.startswith("static ")
+                      for res in results]) or train_rate(runs)
+    two = train_rate(by_config.get("colocated", []))
+    dp = min(1.0, two / one) if one and two else 1.0
     shifts: dict[str, list[float]] = {role: [] for role in ROLES}
     for res in runs:
         for e in res.shifts:
             shifts[e["role"]].append(shift_phase(e, "total"))
     all_shifts = [x for v in shifts.values() for x in v]
+    over = shift_overhead(runs, all_shifts)
     barrier = [float(r["train_apply_s"]) / max(1.0, float(r.get("train_steps", 1.0))) for r in rows
                if "train_apply_s" in r]
     # a rollout device picking up a new version fetches and loads it, as the load phase of a shift does
@@ -108,7 +115,7 @@ def profile(cfg: Any, by_config: dict[str, list[Any]], onpolicy: list[str]) -> d
         return {"devices_per_replica": 1, "max_batch": e.max_batch, "kv_tokens": e.kv_budget_tokens,
                 "decode": {"a_s": fits[role]["a_s"], "b_s": fits[role]["b_s"], "c_s": 0.0},
                 "prefill_tokens_per_s": statistics.median(prefill[role]) if prefill[role] else 1e9,
-                "weights_gb": 0.0, "init_s": _median(shifts[role], all_shifts)}
+                "weights_gb": 0.0, "init_s": _median(shifts[role], all_shifts) + over}
 
     def empirical(xs: list[int], cap: int) -> dict[str, Any]:
         return {"dist": "empirical", "samples": [max(1, int(x)) for x in xs], "min": 1, "max": max(cap, *xs)}
@@ -133,8 +140,8 @@ def profile(cfg: Any, by_config: dict[str, list[Any]], onpolicy: list[str]) -> d
             "rollout": gen_cost("rollout"),
             "reward": gen_cost("reward"),
             "train": {"devices_per_replica": 1, "micro_batch_seqs": cfg.train.micro_batch,
-                      "tokens_per_s_per_device": train_tokens / train_busy, "weights_gb": 0.0,
-                      "init_s": _median(shifts["train"], all_shifts)},
+                      "tokens_per_s_per_device": one, "dp_efficiency_per_doubling": dp, "weights_gb": 0.0,
+                      "init_s": _median(shifts["train"], all_shifts) + over},
             "gps": {"fetch_tier": "host", "tiers": {"host": {"bandwidth_gb_s": 10.0}}},
             # the measured barrier is the whole owner's step: the simulator models the same owner
             "iteration": {"optimizer_step_s": statistics.median(barrier) if barrier else 0.0,
@@ -145,6 +152,26 @@ def profile(cfg: Any, by_config: dict[str, list[Any]], onpolicy: list[str]) -> d
         "scheduler": {"tick_s": sc.tick_s, "horizon_s": sc.horizon_s, "hysteresis": sc.hysteresis,
                       "cooldown_s": sc.cooldown_s, "progress_s": 0.1, "dispatch_batch_s": 0.005},
     }
+
+
+def train_rate(runs: list[Any]) -> float:
+    """Trained tokens per train-busy device-second (steps and gradient flushes) over `runs`' measured
+    iterations; 0 without any."""
+    rows = [r for res in runs for r in res.iterations[WARMUP:]]
+    busy = sum(d.get("train", 0.0) + d.get("flush", 0.0) for r in rows for d in r["device_time"].values())
+    return sum(r["tokens_train"] for r in rows) / busy if busy > 0 else 0.0
+
+
+def shift_overhead(runs: list[Any], phases: list[float]) -> float:
+    """Seconds a device spends shifting per shift beyond the shift's measured phases (abort, offload,
+    fetch, load): from the command to the worker picking it up and reporting back. The runs' measured
+    iterations' `shifting` device time over their shifts, less the phases' mean; 0 without shifts."""
+    rows = [r for res in runs for r in res.iterations[WARMUP:]]
+    n = sum(int(r.get("shifts", 0)) for r in rows)
+    if n <= 0 or not phases:
+        return 0.0
+    shifting = sum(d.get("shifting", 0.0) for r in rows for d in r["device_time"].values())
+    return max(0.0, shifting / n - statistics.mean(phases))
 
 
 def _median(xs: list[float], fallback: list[float]) -> float:

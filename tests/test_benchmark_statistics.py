@@ -34,3 +34,38 @@ def test_the_window_is_total_tokens_over_total_time_and_lies_between_its_iterati
 def test_an_untimed_iteration_adds_neither_tokens_nor_time() -> None:
     assert window_throughput([100.0, 5_000.0], [0.0, 50.0]) == pytest.approx(50.0)
     assert window_throughput([100.0], [0.0]) == 0.0
+
+
+class _Run:
+    """A run's measured figures, as `benchmarks.fidelity` reads them (the first iteration is warm-up)."""
+
+    def __init__(self, rows: list[dict]) -> None:
+        warm_up = {"tokens_train": 10**9, "shifts": 999,
+                   "device_time": {"d0": {"train": 1.0, "shifting": 99.0}}}
+        self.iterations = [warm_up, *rows]
+
+
+def _row(train_s: tuple[float, float], tokens: int, shifts: int = 0, shifting_s: float = 0.0) -> dict:
+    return {"tokens_train": tokens, "shifts": shifts,
+            "device_time": {"d0": {"train": train_s[0], "flush": 0.0, "shifting": shifting_s},
+                            "d1": {"train": train_s[1], "shifting": 0.0}}}
+
+
+def test_train_rate_is_trained_tokens_over_train_busy_seconds_after_warm_up() -> None:
+    from benchmarks.fidelity import train_rate
+
+    runs = [_Run([_row((1.0, 0.0), 5_000), _row((0.5, 0.5), 4_000)]), _Run([_row((2.0, 0.0), 9_000)])]
+    assert train_rate(runs) == pytest.approx(18_000 / 4.0)
+    assert train_rate([]) == 0.0
+
+
+def test_shift_overhead_is_shifting_time_per_shift_beyond_its_phases() -> None:
+    """Six shifts in 0.09 device-s are 15 ms each; with 4 ms of phases, 11 ms is the overhead. Never
+    negative, 0 without shifts."""
+    from benchmarks.fidelity import shift_overhead
+
+    runs = [_Run([_row((0.0, 0.0), 0, shifts=4, shifting_s=0.06), _row((0.0, 0.0), 0, shifts=2,
+                                                                      shifting_s=0.03)])]
+    assert shift_overhead(runs, [0.004, 0.004]) == pytest.approx(0.011)
+    assert shift_overhead(runs, [0.05]) == 0.0
+    assert shift_overhead([_Run([_row((0.0, 0.0), 0)])], [0.004]) == 0.0
