@@ -59,6 +59,7 @@ from pivotrl.core.views import (
     RoleView,
     critical_delay,
     drain_floor,
+    drain_loss,
     drain_value,
     keep_limit,
     role_views,
@@ -188,7 +189,7 @@ def plan(state: ClusterState, costs: ShiftCostModel, now: float) -> PlanResult:
     shown: _Evaluation | None = None
     tried: list[str] = []
     for u in order:
-        ev = plan_for(state, costs, views, pools, u, threshold, floors[u])
+        ev = plan_for(state, costs, views, pools, u, threshold, floors[u], floors)
         tried.append(f"{u}: {ev.note}")
         if shown is None or (shown.xs.size == 0 and ev.xs.size > 0):
             shown = ev  # with nothing chosen, show the most-behind role that had candidates
@@ -232,7 +233,8 @@ class _Evaluation:
 
 
 def plan_for(state: ClusterState, costs: ShiftCostModel, views: dict[Role, RoleView],
-             pools: list[DonorPool], u: Role, threshold: float, floor: float | None) -> _Evaluation:
+             pools: list[DonorPool], u: Role, threshold: float, floor: float | None,
+             floors: dict[Role, float | None] | None = None) -> _Evaluation:
     """Steps 2-5 for shift-up role `u`; `floor` is `drain_floor(views, u)`, which `plan` has already."""
     cfg = state.config
     vu = views[u]
@@ -298,6 +300,9 @@ def plan_for(state: ClusterState, costs: ShiftCostModel, views: dict[Role, RoleV
             vd = views[pool.role]
             loss = vd.processed(vd.replicas) - vd.processed_many(vd.replicas - ks)
             loss = loss + critical_delay(views, pool.role, u, ks) * total_devices
+            held = (floors or {}).get(pool.role)
+            if held is not None:
+                loss = np.maximum(loss, drain_loss(vd, ks, total_devices, held))
         val = -loss - phi
         # Row k of the table is dp shifted right by k·g (−∞ where x < k·g) plus val[k]: strided views of a
         # left-padded dp, so no index arrays are built.

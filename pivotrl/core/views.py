@@ -209,6 +209,19 @@ def drain_value(vu: RoleView, ks: np.ndarray, n_devices: int, shift_s: float,
     return n_devices * saving - lock
 
 
+def drain_loss(vd: RoleView, ks: np.ndarray, n_devices: int, floor_s: float) -> np.ndarray:
+    """Value (device-seconds) lost when `vd`'s role, holding the iteration up (`drain_floor` gave
+    `floor_s`), gives up `ks` replicas: its drain lengthens, and on-policy every device of the cluster
+    waits on it, above the floor (a later role that drains later anyway). The mirror of `drain_value`."""
+    total = vd.work + vd.arriving_work
+    before = vd.throughput(vd.replicas)
+    if total <= 0 or before <= 0:
+        return np.zeros(ks.shape)
+    tau0 = max(total / before, floor_s)
+    after = total / np.maximum(vd.throughput_many(vd.replicas - ks), 1e-300)
+    return n_devices * np.maximum(np.maximum(after, floor_s) - tau0, 0.0)
+
+
 def _add_upstream(state: ClusterState, base: dict[Role, dict], horizon: float) -> None:
     """Work each role will receive within H from upstream, at the current allocation (pipeline order)."""
     for v in base.values():

@@ -13,9 +13,11 @@ from hypothesis import strategies as st
 from pivotrl.core import IterationPlan, Role, RoleSpec
 from pivotrl.core.dispatcher import dispatch_all
 from pivotrl.core.planner import (
+    RoleView,
     critical_delay,
     donor_penalty,
     drain_floor,
+    drain_loss,
     drain_value,
     plan,
     role_views,
@@ -196,8 +198,15 @@ def _brute_force(stt: ClusterState, costs: ShiftCostModel, now: float, u: Role) 
         gain = u_gain(x // vu.g)
         for r, k in ks.items():
             if r is not u and k:
-                gain -= processed(r, views[r].replicas) - processed(r, views[r].replicas - k)
-                gain -= float(critical_delay(views, r, u, np.asarray([k]))[0]) * len(stt.device_role)
+                vr, n_dev = views[r], len(stt.device_role)
+                loss = processed(r, vr.replicas) - processed(r, vr.replicas - k)
+                loss += float(critical_delay(views, r, u, np.asarray([k]))[0]) * n_dev
+                held = drain_floor(views, r)  # a donor holding the iteration up: its drain lengthens
+                total, before = vr.work + vr.arriving_work, vr.throughput(vr.replicas)
+                if held is not None and total > 0 and before > 0:
+                    after = total / max(vr.throughput(vr.replicas - k), 1e-300)
+                    loss = max(loss, n_dev * max(max(after, held) - max(total / before, held), 0.0))
+                gain -= loss
         b = gain - sum(p for _, _, p in chosen)
         best = b if best is None else max(best, b)
         if b > max(per_device * x, 1e-12):
@@ -576,6 +585,25 @@ def test_a_downstream_role_that_drains_later_anyway_is_the_floor() -> None:
     assert np.all(free > 0)
     assert rw.work / rw.throughput(rw.replicas) < floor   # the judge drains first even alone
     assert np.all(drain_value(rw, ks, 3, 0.01, 0.0, floor) <= 0)
+
+
+@CI
+@given(work=st.floats(1.0, 1e7), seqs=st.floats(1.0, 5000.0), replicas=st.integers(2, 64),
+       floor=st.floats(0.0, 1e4), n_devices=st.integers(2, 1024))
+def test_a_donor_that_holds_the_iteration_up_loses_its_longer_drain_above_the_floor(
+        work: float, seqs: float, replicas: int, floor: float, n_devices: int) -> None:
+    """`drain_loss`, the donor's mirror of `drain_value`: giving up k replicas lengthens the donor's
+    drain (work over throughput at m − k), and every device waits on it above the floor. Exact where
+    both drains clear the floor, nothing where the longer one is still below it, never negative, and
+    never smaller for a larger gift."""
+    v = RoleView(Role.ROLLOUT, 1, replicas, 0.0, seqs, work, 0.0, 0.0, 0.02, 2e-4, 1.0, 64.0, 1e-3, 10.0)
+    ks = np.arange(replicas)
+    loss = drain_loss(v, ks, n_devices, floor)
+    tau = work / np.asarray([v.throughput(replicas - k) for k in ks])
+    assert loss[0] == 0.0 and np.all(loss >= 0.0) and np.all(np.diff(loss) >= -1e-9 * (1 + loss[:-1]))
+    above = tau[0] >= floor
+    want = np.where(tau <= floor, 0.0, n_devices * (tau - (tau[0] if above else floor)))
+    assert np.allclose(loss, want, rtol=1e-9, atol=1e-9)
 
 
 @CI
