@@ -212,7 +212,12 @@ def drain_value(vu: RoleView, ks: np.ndarray, n_devices: int, shift_s: float,
 def drain_loss(vd: RoleView, ks: np.ndarray, n_devices: int, floor_s: float) -> np.ndarray:
     """Value (device-seconds) lost when `vd`'s role, holding the iteration up (`drain_floor` gave
     `floor_s`), gives up `ks` replicas: its drain lengthens, and on-policy every device of the cluster
-    waits on it, above the floor (a later role that drains later anyway). The mirror of `drain_value`."""
+    waits on it, above the floor (a later role that drains later anyway). The mirror of `drain_value`.
+
+    The soft-capped work over H (`processed`) prices a replica of a rollout stage holding 200 sequences
+    a replica at 1-3 device-seconds, since the other replicas' batches absorb its sequences. On the paper
+    reconstruction, train's first group then took 6 of rollout's 10 devices while rollout still had 34 s
+    to drain, and rollout ended 9 s later (docs/decisions.md)."""
     total = vd.work + vd.arriving_work
     before = vd.throughput(vd.replicas)
     if total <= 0 or before <= 0:
