@@ -217,7 +217,7 @@ def drain_loss(vd: RoleView, ks: np.ndarray, n_devices: int, floor_s: float) -> 
     The soft-capped work over H (`processed`) prices a replica of a rollout stage holding 200 sequences
     a replica at 1-3 device-seconds, since the other replicas' batches absorb its sequences. On the paper
     reconstruction, train's first group then took 6 of rollout's 10 devices while rollout still had 34 s
-    to drain, and rollout ended 9 s later (docs/decisions.md)."""
+    to drain: rollout ended at 166 s, against 157 s with this loss (docs/decisions.md)."""
     total = vd.work + vd.arriving_work
     before = vd.throughput(vd.replicas)
     if total <= 0 or before <= 0:
@@ -228,7 +228,9 @@ def drain_loss(vd: RoleView, ks: np.ndarray, n_devices: int, floor_s: float) -> 
 
 
 def _add_upstream(state: ClusterState, base: dict[Role, dict], horizon: float) -> None:
-    """Work each role will receive within H from upstream, at the current allocation (pipeline order)."""
+    """Work each role will receive within H from upstream, at the current allocation (pipeline order),
+    and the prefill each generating role owes for it and its queue (`_fold_prefill`): a role's
+    completions, which feed the next role, are taken at its throughput with that prefill."""
     for v in base.values():
         v["arriving_seqs"] = 0.0
         v["arriving_work"] = 0.0
