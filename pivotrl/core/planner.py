@@ -189,7 +189,7 @@ def plan(state: ClusterState, costs: ShiftCostModel, now: float) -> PlanResult:
     shown: _Evaluation | None = None
     tried: list[str] = []
     for u in order:
-        ev = plan_for(state, costs, views, pools, u, threshold, floors[u], floors)
+        ev = plan_for(state, costs, views, pools, u, threshold, floors)
         tried.append(f"{u}: {ev.note}")
         if shown is None or (shown.xs.size == 0 and ev.xs.size > 0):
             shown = ev  # with nothing chosen, show the most-behind role that had candidates
@@ -233,11 +233,13 @@ class _Evaluation:
 
 
 def plan_for(state: ClusterState, costs: ShiftCostModel, views: dict[Role, RoleView],
-             pools: list[DonorPool], u: Role, threshold: float, floor: float | None,
-             floors: dict[Role, float | None] | None = None) -> _Evaluation:
-    """Steps 2-5 for shift-up role `u`; `floor` is `drain_floor(views, u)`, which `plan` has already."""
+             pools: list[DonorPool], u: Role, threshold: float,
+             floors: dict[Role, float | None]) -> _Evaluation:
+    """Steps 2-5 for shift-up role `u`; `floors` is `drain_floor` of every role, which `plan` has
+    already: u's own prices its gain, a donor's its loss."""
     cfg = state.config
     vu = views[u]
+    floor = floors[u]
     # A role with work and no replica at all is starving: any positive B will do (no margin).
     per_device = 0.0 if vu.replicas == 0 else threshold
 
@@ -300,7 +302,7 @@ def plan_for(state: ClusterState, costs: ShiftCostModel, views: dict[Role, RoleV
             vd = views[pool.role]
             loss = vd.processed(vd.replicas) - vd.processed_many(vd.replicas - ks)
             loss = loss + critical_delay(views, pool.role, u, ks) * total_devices
-            held = (floors or {}).get(pool.role)
+            held = floors[pool.role]
             if held is not None:
                 loss = np.maximum(loss, drain_loss(vd, ks, total_devices, held))
         val = -loss - phi
