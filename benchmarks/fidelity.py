@@ -78,7 +78,7 @@ def profile(cfg: Any, by_config: dict[str, list[Any]], onpolicy: list[str]) -> d
     """A simulator config (plain data) of the workload, every cost read off the runs (the barrier's
     control-plane part off the on-policy ones: with staleness the next iteration starts before it)."""
     runs = [res for results in by_config.values() for res in results]
-    rows = [r for res in runs for r in res.iterations[WARMUP:]]
+    rows = measured_rows(runs)
     lens: dict[str, list[int]] = {k: [] for k in ("prompt", "response", "judge_prompt", "judge")}
     for r in rows:
         for k in lens:
@@ -154,10 +154,15 @@ def profile(cfg: Any, by_config: dict[str, list[Any]], onpolicy: list[str]) -> d
     }
 
 
+def measured_rows(runs: list[Any]) -> list[dict[str, Any]]:
+    """Every run's iteration rows past the warm-up (`WARMUP`): what the profile is read from."""
+    return [r for res in runs for r in res.iterations[WARMUP:]]
+
+
 def train_rate(runs: list[Any]) -> float:
     """Trained tokens per train-busy device-second (steps and gradient flushes) over `runs`' measured
     iterations; 0 without any."""
-    rows = [r for res in runs for r in res.iterations[WARMUP:]]
+    rows = measured_rows(runs)
     busy = sum(d.get("train", 0.0) + d.get("flush", 0.0) for r in rows for d in r["device_time"].values())
     return sum(r["tokens_train"] for r in rows) / busy if busy > 0 else 0.0
 
@@ -166,7 +171,7 @@ def shift_overhead(runs: list[Any], phases: list[float]) -> float:
     """Seconds a device spends shifting per shift beyond the shift's measured phases (abort, offload,
     fetch, load): from the command to the worker picking it up and reporting back. The runs' measured
     iterations' `shifting` device time over their shifts, less the phases' mean; 0 without shifts."""
-    rows = [r for res in runs for r in res.iterations[WARMUP:]]
+    rows = measured_rows(runs)
     n = sum(int(r.get("shifts", 0)) for r in rows)
     if n <= 0 or not phases:
         return 0.0
