@@ -213,8 +213,18 @@ def stages(
             max(int(plan.group_size), 1),
             fixed,
             shared,
+            spec.dp_efficiency_per_doubling,
+            dp_ref(state, r),
         )
     return out
+
+
+def dp_ref(state: ClusterState, role: Role) -> float:
+    """The replica count `role`'s step-time line holds at: one replica for the prior, else the replicas
+    the role has now, those that measured the line's latest (most weighted) samples."""
+    if state.role_models[role].samples == 0:
+        return 1.0
+    return float(max(len(state.by_role[role]), 1))
 
 
 def learned_sync(fixed: float, shared: float, sample: SyncSample) -> tuple[float, float]:

@@ -162,7 +162,8 @@ def group_lag(ro: Stage, rw: Stage, m_ro: np.ndarray, m_rw: np.ndarray, g: int) 
 
 def best_static(st: dict[Role, Stage], n_devices: int) -> tuple[dict[Role, int], float] | None:
     """The split (devices per role) with the lowest predicted makespan, exhaustive over every split into
-    whole replicas (numpy over the (rollout, reward) grid; train takes what is left). None if none fits.
+    whole replicas (numpy over the (rollout, reward) grid; train takes what is left: with a data-parallel
+    loss of at most half per doubling, more train replicas never drain slower). None if none fits.
 
     Exact but cheap: every split is priced without `Stage.last_end`'s integral (a lower bound), then the full
     prediction is computed for the splits in order of that bound, a batch at a time, until the best full

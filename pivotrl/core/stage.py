@@ -10,6 +10,7 @@ Pure: numbers in, numbers out.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -81,6 +82,17 @@ class Stage:
     group: int = 1  # items per group (the train stage's items arrive by whole groups)
     sync_fixed_s: float = 0.0  # after the stage's last item: sync(m) = fixed + shared / m (`RoleSpec`)
     sync_shared_s: float = 0.0
+    dp_per_doubling: float = 1.0  # a replica's speed kept per doubling of replicas (`RoleSpec`; train)
+    dp_ref: float = 1.0  # the replica count `a` and `b` were measured at (1: the prior, one replica's line)
+
+    def dp_speed(self, m: np.ndarray) -> np.ndarray:
+        """A train replica's speed with `m` replicas, relative to its speed at `dp_ref`: data-parallel
+        replicas slow each other down, by `dp_per_doubling` per doubling. `timing` applies it to the train
+        stage only; generation replicas run independently."""
+        if self.dp_per_doubling >= 1.0:
+            return np.ones(np.shape(m))
+        doublings = np.log2(np.maximum(np.asarray(m, dtype=float), 1.0)) - math.log2(max(self.dp_ref, 1.0))
+        return np.power(self.dp_per_doubling, doublings)
 
     def step(self, conc: np.ndarray) -> np.ndarray:
         return self.a + self.b * self.k * conc
@@ -129,9 +141,11 @@ class Stage:
         per, conc, step = self._batch(m)
         m = np.maximum(np.asarray(m, dtype=float), 1e-12)
         rate = np.minimum(m, max(self.seqs, 1.0)) * conc * self.k / step  # work per second
-        drain = self.seqs * self.mean / np.maximum(rate, 1e-300)  # tokens over tokens/s
         if not self.decode:
-            return drain, drain + step
+            speed = self.dp_speed(m)
+            drain = self.seqs * self.mean / np.maximum(rate * speed, 1e-300)
+            return drain, drain + step / speed
+        drain = self.seqs * self.mean / np.maximum(rate, 1e-300)  # tokens over tokens/s
         drain = drain + per * self.prefill_s
         q = self.queued_until(drain, per, conc)
         first = conc * self.prefill_s

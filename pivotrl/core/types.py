@@ -135,6 +135,10 @@ class RoleSpec:
     `whole_batches`: the role's replicas run their items in whole micro-batches, and an item given to a
     replica whose batch is in flight waits for that batch to end (no continuous batching). Such a replica
     is given work only when idle, and then only its share of the queue (`pivotrl.core.dispatcher`).
+    `dp_efficiency_per_doubling` (train): data-parallel replicas slow each other down (their gradient
+    collectives), each doubling of the role's replicas keeping this fraction of a replica's speed; 1.0 is
+    perfect scaling. The step-time prior is one replica's line; a fitted line holds at the replica count it
+    was measured at, and the iteration model rescales it to another count (`pivotrl.core.stage.Stage`).
     """
 
     devices_per_replica: int = 1
@@ -147,6 +151,7 @@ class RoleSpec:
     sync_fixed_s: float = 0.0
     sync_shared_s: float = 0.0
     whole_batches: bool = False
+    dp_efficiency_per_doubling: float = 1.0
 
 
 @dataclass(frozen=True)

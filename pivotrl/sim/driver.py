@@ -49,7 +49,8 @@ def controller_config(cfg: SimConfig) -> ControllerConfig:
             prior_step_b_s=1.0 / (c.train.tokens_per_s_per_device * c.train.devices_per_replica),
             tokens_per_seq_step=e["train_item"],
             prefill_tokens_per_s=c.train.tokens_per_s_per_device * c.train.devices_per_replica,
-            sync_fixed_s=fixed, sync_shared_s=shared, whole_batches=True),
+            sync_fixed_s=fixed, sync_shared_s=shared, whole_batches=True,
+            dp_efficiency_per_doubling=c.train.dp_efficiency_per_doubling),
     }
     shift_prior = sum(shift_time(c, r).total for r in ("rollout", "reward", "train")) / 3.0
     s = cfg.scheduler

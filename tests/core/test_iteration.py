@@ -902,3 +902,55 @@ def test_the_queue_never_empties_before_the_fluid_share_nor_later_with_more_repl
         return q
 
     assert queued(m + 1.0) <= queued(float(m)) * (1 + 1e-9) + 1e-12
+
+
+@FEW
+@given(stage=stage_strategy(Role.TRAIN), dp=st.floats(0.5, 1.0), ref=st.integers(1, 64),
+       m=st.integers(1, 512))
+def test_data_parallel_loss_slows_a_train_replica_by_its_doublings_from_the_measured_count(
+    stage: Stage, dp: float, ref: int, m: int
+) -> None:
+    """A train stage's drain and end with data-parallel loss are the lossless ones over the speed kept per
+    doubling of replicas from the count its line was measured at; at that count nothing changes."""
+    lossy = dataclasses.replace(stage, dp_per_doubling=dp, dp_ref=float(ref))
+    speed = dp ** (np.log2(m) - np.log2(ref))
+    assert float(lossy.dp_speed(np.asarray(float(ref)))) == pytest.approx(1.0)
+    (d0, e0), (d1, e1) = (s.timing(np.asarray(float(m))) for s in (stage, lossy))
+    assert float(d1) == pytest.approx(float(d0) / speed, rel=1e-9)
+    assert float(e1) - float(d1) == pytest.approx((float(e0) - float(d0)) / speed, rel=1e-9)
+
+
+@FEW
+@given(stage=stage_strategy(Role.ROLLOUT), dp=st.floats(0.5, 0.999), m=st.integers(1, 512))
+def test_generation_replicas_do_not_slow_each_other(stage: Stage, dp: float, m: int) -> None:
+    lossy = dataclasses.replace(stage, dp_per_doubling=dp)
+    same = np.asarray(float(m))
+    assert [float(x) for x in lossy.timing(same)] == [float(x) for x in stage.timing(same)]
+
+
+def test_a_train_bound_split_pays_the_data_parallel_loss() -> None:
+    """Judged work that is quick beside training: the makespan is train's drain, slower by 1/0.9 per
+    doubling of train replicas when they lose a tenth of their speed per doubling (three doublings at 8)."""
+    gen = {r: Stage(r, 1, 64.0, 10.0, 20.0, 1e-3, 1e-6, 1.0, 64.0, 0.0, True) for r in PIPELINE[:2]}
+    train = Stage(Role.TRAIN, 1, 64.0, 5000.0, 5000.0, 1e-3, 1e-4, 5000.0, 1.0, 0.0, False)
+    reps = {Role.ROLLOUT: np.asarray(1.0), Role.REWARD: np.asarray(1.0), Role.TRAIN: np.asarray(8.0)}
+    plain = float(static_makespans({**gen, Role.TRAIN: train}, reps))
+    slow = dataclasses.replace(train, dp_per_doubling=0.9)
+    lossy = float(static_makespans({**gen, Role.TRAIN: slow}, reps))
+    assert lossy > plain * 1.3   # 0.9 ** -3 = 1.37 on the train drain, which is nearly all of it
+
+
+def test_the_train_line_holds_at_one_replica_before_samples_and_at_the_replicas_measuring_it() -> None:
+    roles = dict(config().roles)
+    roles[Role.TRAIN] = dataclasses.replace(roles[Role.TRAIN], dp_efficiency_per_doubling=0.95)
+    stt = active_state(config(roles=roles), {Role.ROLLOUT: 2, Role.REWARD: 1, Role.TRAIN: 3})
+    stt.plan = IterationPlan(0, rollout_seqs=64, group_size=4, rollout_tokens_per_seq=200,
+                             reward_tokens_per_rollout=80, train_tokens_per_group=1200)
+    costs = ShiftCostModel(prior_s=2.0)
+    prior = stages(stt, costs, None)
+    assert prior is not None
+    assert prior[Role.TRAIN].dp_per_doubling == 0.95 and prior[Role.TRAIN].dp_ref == 1.0
+    assert prior[Role.ROLLOUT].dp_per_doubling == 1.0
+    stt.role_models[Role.TRAIN].observe(2, 0.5, tokens=600.0)
+    measured = stages(stt, costs, None)
+    assert measured is not None and measured[Role.TRAIN].dp_ref == 3.0
