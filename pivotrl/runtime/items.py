@@ -32,9 +32,11 @@ from pivotrl.runtime.messages import (
 
 
 def sequence_of(req: WorkRequest, generated: int = 0) -> Sequence:
-    """The core view of a work item. A train item's work is its token count, "generated" like tokens."""
+    """The core view of a work item. A train item's work is its token count, "generated" like tokens, and
+    known exactly: it is also the item's expected work (without it core would assume half)."""
     if req.role == "train":
         return Sequence(req.id, Role.TRAIN, prompt_tokens=0, max_new_tokens=max(1, req.est_tokens),
+                        expected_new_tokens=float(max(1, req.est_tokens)),
                         iteration=req.iteration, group_id=req.group_id)
     return Sequence(req.id, Role(req.role), prompt_tokens=req.prompt_tokens,
                     max_new_tokens=max(1, req.max_new_tokens), generated=generated,

@@ -255,7 +255,8 @@ class Simulator:
                 m = self.specs[mid]
                 n = m.prompt_len + m.response_len
                 self.tokens_expected["train"] += n
-                out.append(Sequence(mid, Role.TRAIN, 0, n, iteration=m.iteration, group_id=g, payload=n))
+                out.append(Sequence(mid, Role.TRAIN, 0, n, iteration=m.iteration, group_id=g, payload=n,
+                                    expected_new_tokens=float(n)))
             self.counts["train_submitted"] += len(out)
             if not self.bound.may_train(s.iteration, self.trained_through):
                 self.held_train.setdefault(s.iteration, []).extend(out)

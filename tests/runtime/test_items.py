@@ -162,3 +162,13 @@ def test_random_interleavings_keep_every_item_exactly_once(ops, n_items) -> None
     assert sorted(finished) == sorted(ids), (finished, {i: it.state for i, it in led.items.items()})
     assert not led.items
     assert sum(len(g.items) for g in grads) == len(done)
+
+
+@settings(max_examples=200, derandomize=True, deadline=None)
+@given(tokens=st.integers(0, 100_000))
+def test_a_train_items_work_is_its_token_count_for_core(tokens: int) -> None:
+    """A train item's size is known exactly: core counts all of it as work to do, not half a budget."""
+    from pivotrl.runtime.items import sequence_of
+
+    s = sequence_of(WorkRequest("t", "train", {}, est_tokens=tokens))
+    assert s.remaining_estimate() == max(1, tokens)

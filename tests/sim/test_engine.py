@@ -104,3 +104,27 @@ def test_cli_simulate_prints_ratios_last(tmp_path: Path, capsys: pytest.CaptureF
         rep["tokens_per_s_per_device"][k] for k in ("colocated", "best_static", "shiftable"))
     assert rep["allocation"]["shiftable"]["segments"] and png.stat().st_size > 10_000
     assert len(rep["runs"]["shiftable"]["iterations"]) == 2
+
+
+def test_core_sees_a_train_items_whole_work() -> None:
+    """The simulator tells core each train item's exact size as its expected work: the train role's
+    remaining work in core is the sum of the queued items' tokens, not half their budgets."""
+    from pivotrl.core.types import Role
+    from pivotrl.sim.engine import Simulator
+
+    cfg = load_sim_config(PAPER, SMALL)
+    sim = Simulator(cfg, "disaggregated", {"rollout": 3, "reward": 2, "train": 3}, iterations=1)
+    seen: list[tuple[float, float]] = []
+    submit = sim.ctl.submit
+
+    def spy(seqs, now):  # type: ignore[no-untyped-def]
+        train = [s for s in seqs if s.role is Role.TRAIN]
+        before = sim.ctl.state.remaining[Role.TRAIN]
+        out = submit(seqs, now)
+        if train:
+            seen.append((sim.ctl.state.remaining[Role.TRAIN] - before, float(sum(s.payload for s in train))))
+        return out
+
+    sim.ctl.submit = spy  # type: ignore[method-assign]
+    assert sim.run().finished
+    assert seen and all(got == pytest.approx(want) for got, want in seen)
