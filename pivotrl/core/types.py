@@ -153,6 +153,11 @@ class RoleSpec:
     whole_batches: bool = False
     dp_efficiency_per_doubling: float = 1.0
 
+    def __post_init__(self) -> None:
+        if not 0.0 < self.dp_efficiency_per_doubling <= 1.0:
+            raise ValueError(
+                f"dp_efficiency_per_doubling must be in (0, 1], got {self.dp_efficiency_per_doubling}")
+
 
 @dataclass(frozen=True)
 class ControllerConfig:

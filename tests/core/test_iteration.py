@@ -954,3 +954,9 @@ def test_the_train_line_holds_at_one_replica_before_samples_and_at_the_replicas_
     stt.role_models[Role.TRAIN].observe(2, 0.5, tokens=600.0)
     measured = stages(stt, costs, None)
     assert measured is not None and measured[Role.TRAIN].dp_ref == 3.0
+
+
+@pytest.mark.parametrize("dp", [0.0, -0.5, 1.5, float("nan")])
+def test_a_data_parallel_efficiency_outside_zero_to_one_is_refused(dp: float) -> None:
+    with pytest.raises(ValueError, match="dp_efficiency_per_doubling"):
+        RoleSpec(dp_efficiency_per_doubling=dp)
