@@ -4,9 +4,10 @@ Dispatch: the head of a role's shared queue goes to the active replica whose thr
 one more sequence, f_i(n_i+1) − f_i(n_i), among those with room (sequence slots and KV tokens). Because every
 f_i is concave, a max-heap keyed by that marginal gain gives the greedy optimum at O(log I) per sequence.
 A role whose replicas run whole micro-batches (`RoleSpec.whole_batches`, train) is dispatched late: an item
-goes only to an idle replica, which takes at most its share of the queue, ceil(queued / replicas). A busy
-replica would hold the item until its batch ends while another may free sooner, and a replica taking a
-full batch of the iteration's last items ends the iteration alone
+goes only to an idle replica, which takes at most its share of the queue: ceil(queued / replicas) items,
+and it stops once it holds its share of the queue's work (items are not equal: a train item's work is its
+tokens). A busy replica would hold the item until its batch ends while another may free sooner, and a
+replica taking a full batch of the iteration's last items, or of its longest, ends the iteration alone
 (docs/decisions.md#train-items-are-dispatched-late-and-shared).
 
 Shift-down (a replica leaves its role): Abort every sequence it runs → they re-enter the shared queue ahead
@@ -24,6 +25,7 @@ within the paper's O(I·NSeq + I log I).
 from __future__ import annotations
 
 import heapq
+import math
 
 from pivotrl.core.decision import Assignment
 from pivotrl.core.state import ClusterState
@@ -44,6 +46,8 @@ def dispatch_role(state: ClusterState, role: Role) -> list[Assignment]:
     whole = state.config.spec(role).whole_batches
     active = state.active(role)
     share = -(-len(queue) // max(len(active), 1)) if whole else 1 << 30
+    work_share = queue.work / max(len(active), 1) if whole else math.inf
+    taken: dict[str, float] = {}  # work given to each replica in this call
     for idx, rep in enumerate(active):
         if rep.n < min(rep.max_seqs, share) and not (whole and rep.n > 0):
             heap.append((-rep.model.marginal_gain(rep.n), idx, rep))
@@ -68,9 +72,11 @@ def dispatch_role(state: ClusterState, role: Role) -> list[Assignment]:
             break
         queue.pop()
         rep = chosen[2]
+        if whole:
+            taken[rep.replica_id] = taken.get(rep.replica_id, 0.0) + seq.remaining_estimate()
         state.start(seq, rep)
         out.append(Assignment(seq.seq_id, rep.replica_id))
-        if rep.n < min(rep.max_seqs, share):
+        if rep.n < min(rep.max_seqs, share) and taken.get(rep.replica_id, 0.0) < work_share:
             heapq.heappush(heap, (-rep.model.marginal_gain(rep.n), chosen[1], rep))
     if len(queue):
         state.blocked[role] = True

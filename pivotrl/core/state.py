@@ -285,6 +285,8 @@ class ClusterState:
             rep = self.replicas[seq.replica_id]  # type: ignore[index]
             rep.remaining += delta
             rep.context += grown
+        elif seq.state is SeqState.WAITING:
+            self.queues[seq.role].rework(seq)
 
     # -- invariants ---------------------------------------------------------------------------------
     def check(self) -> None:
@@ -314,6 +316,8 @@ class ClusterState:
                 seen[s.seq_id] = "queue"
             # Counted at push; a waiting sequence's context only grows (late progress reports).
             assert 0 <= q.context_tokens <= sum(s.context_tokens for s in q.values()), role
+            want = sum(s.remaining_estimate() for s in q.values())
+            assert abs(q.work - want) <= 1e-6 * (1.0 + want), role
         assert set(seen) == set(self.seqs), "a live sequence is neither waiting nor running"
         for role in self.roles:
             live = [s for s in self.seqs.values() if s.role is role]

@@ -238,3 +238,49 @@ def test_a_continuous_batching_role_keeps_filling_busy_replicas() -> None:
     _fill(st, 3)
     dispatch_role(st, Role.ROLLOUT)
     assert sorted(r.n for r in reps) == [2, 2]
+
+
+@settings(max_examples=300, derandomize=True, deadline=None)
+@given(k=hst.integers(1, 12), max_seqs=hst.integers(1, 16),
+       sizes=hst.lists(hst.integers(1, 5000), max_size=120), busy=hst.sets(hst.integers(0, 11)))
+def test_a_whole_batch_replica_stops_at_its_share_of_the_queues_work(
+        k: int, max_seqs: int, sizes: list[int], busy: set[int]) -> None:
+    """Train items of unequal work: an idle replica takes items in queue order until it holds its share
+    of the queue's work (so one replica does not take the longest items as a batch that outlasts the
+    others), never more than its share of the items or its slots, and at least one while any waits."""
+    st, reps = _train_state(k, max_seqs, tuple(sorted(b for b in busy if b < k)))
+    was_busy = [r.n > 0 for r in reps]
+    items = [seq(f"t{i}", Role.TRAIN, max_new=n, expected_new_tokens=float(n)) for i, n in enumerate(sizes)]
+    for s in items:
+        st.admit(s, 0.0)
+    work_share = sum(sizes) / k
+    out = dispatch_role(st, Role.TRAIN)
+    assert [a.seq_id for a in out] == [s.seq_id for s in items[: len(out)]]
+    got: dict[str, list[int]] = {r.replica_id: [] for r in reps}
+    for a in out:
+        got[a.replica_id].append(st.seqs[a.seq_id].max_new_tokens)
+    for r, b in zip(reps, was_busy):
+        mine = got[r.replica_id]
+        if b:
+            assert not mine
+            continue
+        assert len(mine) <= min(max_seqs, -(-len(sizes) // k))
+        if len(st.queues[Role.TRAIN]):
+            assert mine   # work waits: every idle replica has some
+        if mine:
+            assert sum(mine[:-1]) < work_share * (1 + 1e-12)   # it took its last item below its share
+    st.check()
+
+
+def test_the_longest_items_are_not_one_replicas_batch() -> None:
+    """Four long items (1,000 tokens) ahead of four short ones (10), one replica idle and the other
+    running a batch: by count alone the idle one took its share, 4 items, all long (4,000 tokens, the
+    iteration's straggler); by work it stops at 3,000, past its share of 2,020."""
+    st, reps = _train_state(2, max_seqs=8, busy=(0,))
+    sizes = [1000] * 4 + [10] * 4
+    for i, n in enumerate(sizes):
+        st.admit(seq(f"t{i}", Role.TRAIN, max_new=n, expected_new_tokens=float(n)), 0.0)
+    dispatch_role(st, Role.TRAIN)
+    assert reps[1].n == 3 and reps[1].remaining == 3000.0
+    assert len(st.queues[Role.TRAIN]) == 5
+    st.check()

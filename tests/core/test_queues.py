@@ -68,3 +68,26 @@ def test_context_tokens_is_what_the_waiting_sequences_prefill(ops) -> None:
         elif op == "remove":
             q.remove(sid)
         assert q.context_tokens == sum(s.prompt_tokens + s.generated for s in q.values())
+
+
+@CI
+@given(ops=st.lists(st.tuples(st.sampled_from(["push", "pop", "remove", "progress"]), st.integers(0, 7),
+                              st.integers(1, 5000), st.one_of(st.none(), st.floats(1, 5000))), max_size=60))
+def test_work_is_the_waiting_sequences_expected_work(ops) -> None:
+    """`work` (what a whole-batch replica's share is measured against) equals the sum of the waiting
+    sequences' `remaining_estimate`, through push, pop, lazy removal and a late progress report."""
+    q = WaitingQueue()
+    for n, (op, i, size, expected) in enumerate(ops):
+        sid = f"s{i}"
+        if op == "push" and sid not in q:
+            q.push(Sequence(sid, Role.TRAIN, 0, size, expected_new_tokens=expected), n)
+        elif op == "pop":
+            q.pop()
+        elif op == "remove":
+            q.remove(sid)
+        elif op == "progress" and sid in q:
+            s = next(x for x in q.values() if x.seq_id == sid)
+            s.generated = min(s.max_new_tokens, s.generated + size // 2)
+            q.rework(s)
+        want = sum(s.remaining_estimate() for s in q.values())
+        assert q.work == pytest.approx(want, rel=1e-9, abs=1e-9)
