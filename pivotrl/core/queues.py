@@ -18,9 +18,9 @@ class WaitingQueue:
         self._heap: list[tuple[int, int, str]] = []
         self._live: dict[str, tuple[int, int, str]] = {}
         self._seqs: dict[str, Sequence] = {}
-        self._context: dict[str, int] = {}
+        # what each waiting sequence added to the two sums below when it was pushed: (context, work)
+        self._counted: dict[str, tuple[int, float]] = {}
         self.context_tokens = 0  # Σ tokens the waiting sequences prefill when they start (prompt + generated)
-        self._work: dict[str, float] = {}
         self.work = 0.0  # Σ expected work of the waiting sequences (`Sequence.remaining_estimate`)
 
     def __len__(self) -> int:
@@ -36,10 +36,10 @@ class WaitingQueue:
         key = (0 if seq.aborts > 0 else 1, order, seq.seq_id)
         self._live[seq.seq_id] = key
         self._seqs[seq.seq_id] = seq
-        self._context[seq.seq_id] = seq.context_tokens
+        work = seq.remaining_estimate()  # nothing decodes it while it waits (`rework`)
+        self._counted[seq.seq_id] = (seq.context_tokens, work)
         self.context_tokens += seq.context_tokens
-        self._work[seq.seq_id] = seq.remaining_estimate()  # nothing decodes it while it waits (`rework`)
-        self.work += self._work[seq.seq_id]
+        self.work += work
         heapq.heappush(self._heap, key)
 
     def _prune(self) -> None:
@@ -57,16 +57,14 @@ class WaitingQueue:
             return None
         key = heapq.heappop(self._heap)
         del self._live[key[2]]
-        self.context_tokens -= self._context.pop(key[2])
-        self._take_work(key[2])
+        self._uncount(key[2])
         return self._seqs.pop(key[2])
 
     def remove(self, seq_id: str) -> Sequence | None:
         if seq_id not in self._live:
             return None
         del self._live[seq_id]
-        self.context_tokens -= self._context.pop(seq_id)
-        self._take_work(seq_id)
+        self._uncount(seq_id)
         if len(self._heap) > 2 * len(self._live) + 64:  # compact so stale entries cannot pile up
             self._heap = sorted(self._live.values())
         return self._seqs.pop(seq_id)
@@ -74,13 +72,15 @@ class WaitingQueue:
     def rework(self, seq: Sequence) -> None:
         """A waiting sequence's expected work changed (a late progress report): keep `work` its sum."""
         if seq.seq_id in self._live:
-            w = seq.remaining_estimate()
-            self.work += w - self._work[seq.seq_id]
-            self._work[seq.seq_id] = w
+            context, was = self._counted[seq.seq_id]
+            work = seq.remaining_estimate()
+            self.work += work - was
+            self._counted[seq.seq_id] = (context, work)
 
-    def _take_work(self, seq_id: str) -> None:
-        w = self._work.pop(seq_id)
-        self.work = self.work - w if self._live else 0.0  # an empty queue owes nothing (no rounding left)
+    def _uncount(self, seq_id: str) -> None:
+        context, work = self._counted.pop(seq_id)
+        self.context_tokens -= context
+        self.work = self.work - work if self._live else 0.0  # an empty queue owes nothing (no rounding left)
 
     def ids(self) -> list[str]:
         """Waiting sequence ids in dispatch order (O(N log N); for tests and inspection)."""
