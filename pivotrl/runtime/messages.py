@@ -289,12 +289,16 @@ class Progress(Wire):
 @dataclass(frozen=True)
 class StepSample(Wire):
     """One engine step: `concurrency` items, `step_time_s` seconds, `tokens` of work done, of which
-    `prefill_tokens` prompt tokens of sequences admitted in it."""
+    `prefill_tokens` prompt tokens of sequences admitted in it. `host_s`: the role host's seconds between
+    the previous step and this one while the context had work waiting (the sync round trip's stall,
+    building reports, admitting items). The device pays it for every step, so core's step-time fit counts
+    it; device busy time is the engine's alone."""
 
     concurrency: int
     step_time_s: float
     tokens: int
     prefill_tokens: int = 0
+    host_s: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -306,8 +306,8 @@ class Orchestrator:
             info.busy[role] = info.busy.get(role, 0.0) + float(s.step_time_s)
             if s.step_time_s > 0:
                 info.tokens_per_s = 0.7 * info.tokens_per_s + 0.3 * s.tokens / s.step_time_s
-            if rid is not None:
-                self.ctl.on_step(rid, s.concurrency, s.step_time_s, now, tokens=s.tokens,
+            if rid is not None:  # core fits what a step costs the device: the engine's time and the host's
+                self.ctl.on_step(rid, s.concurrency, s.step_time_s + s.host_s, now, tokens=s.tokens,
                                  prefill_tokens=s.prefill_tokens)
         if report.flushed is not None:
             info.busy["flush"] = info.busy.get("flush", 0.0) + float(report.flushed.seconds)

@@ -10,6 +10,7 @@ load, each phase timed into a `ShiftTimings`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import logging
 import os
@@ -167,6 +168,9 @@ class RoleHost:
         self._last_progress = 0.0
         self._last_sync = 0.0
         self._sync_s = 0.0
+        # when the last step ended with work still waiting in the same context: the next step's `host_s`
+        # runs from here (None: the gap that follows is waiting for work, a command, or a shift)
+        self._stepped_at: float | None = None
 
     def _new_report(self) -> SyncReport:
         return SyncReport(worker=self.worker, session=self.session)
@@ -244,6 +248,8 @@ class RoleHost:
     def apply(self, reply: SyncReply) -> bool:
         if reply.unknown:
             return False
+        if reply.shift is not None or reply.abort or reply.flush:
+            self._stepped_at = None  # a command's own time is not a step's
         if reply.shift is not None:
             self.shift(reply.shift)
             return True
@@ -260,10 +266,15 @@ class RoleHost:
     def step(self) -> bool:
         """One engine step of the current context, if it has work; its results go out with the next sync."""
         if self.ctx is None or not self.ctx.has_work():
+            self._stepped_at = None
             return False
+        start = time.perf_counter()
         finished, sample = self.ctx.step()
         if sample is not None:
+            if self._stepped_at is not None:
+                sample = dataclasses.replace(sample, host_s=start - self._stepped_at)
             self._out.steps.append(sample)
+        self._stepped_at = time.perf_counter() if self.ctx.has_work() else None
         for res in finished:
             self._reported.pop(res.id, None)
             self._out.finished.append(res)

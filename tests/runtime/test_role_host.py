@@ -3,6 +3,7 @@ shift-cost model as measured, items migrate with their tokens, train items land 
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -215,3 +216,90 @@ def test_the_reply_to_the_last_train_item_asks_for_the_sum() -> None:
     assert not first.flush  # t1 still runs
     last, _ = orch.sync(SyncReport(worker="w0", free=4, finished=[ItemResult("t1")]), 0.06)
     assert last.flush
+
+
+class _Held:
+    """A context that always has work and steps in no time, so every second between its steps is the
+    host's; it runs dry when `dry` is set."""
+
+    version = 0
+    dry = False
+
+    def has_work(self) -> bool:
+        return not self.dry
+
+    def free_slots(self) -> int:
+        return 1
+
+    def step(self):
+        from pivotrl.runtime.messages import StepSample
+
+        return [], StepSample(4, 0.0, 4)
+
+    def abort(self, ids):
+        return []
+
+    def progress(self):
+        return {}
+
+
+def test_a_step_sample_carries_the_host_time_since_the_last_step_while_work_waited() -> None:
+    """Core fits what a step costs the device: a sync round trip stalling the loop between two steps of
+    held work is the device's cost per step (measured on the real cluster: 10-16 % beyond the engine's
+    step), waiting for work or a command's own time is not."""
+    from concurrent.futures import Future
+
+    from pivotrl.runtime.messages import SyncReply
+    from pivotrl.runtime.role_host import RoleHost, WorkerEnv
+
+    round_trip_s = 0.03
+    replies: list[SyncReply] = []
+    sent = []
+
+    def send(report):
+        sent.append(report)
+        fut: Future = Future()
+        reply = replies.pop(0) if replies else SyncReply()
+        threading.Timer(round_trip_s, fut.set_result, args=(reply,)).start()
+        return fut
+
+    host = RoleHost(WorkerEnv("cpu", None, "storage", name="0"), send, worker="w0", sync_every_s=0.0)
+    ctx = _Held()
+    host.ctx, host.role = ctx, "rollout"
+    for _ in range(4):
+        host.run_once()
+    host.sync_now()  # hand the last samples in
+    steps = [s for r in sent for s in r.steps]
+    assert len(steps) == 4
+    assert steps[0].host_s == 0.0  # nothing stepped before it
+    assert all(s.host_s >= 0.8 * round_trip_s for s in steps[1:])
+    ctx.dry = True  # waiting for work is not a step's cost
+    host.run_once()
+    ctx.dry = False
+    replies.append(SyncReply(abort=["x"]))  # nor is a command's
+    host.run_once()
+    host.run_once()
+    host.sync_now()
+    after = [s for r in sent for s in r.steps][4:]
+    assert [s.host_s for s in after[:2]] == [0.0, 0.0]
+
+
+def test_core_fits_the_engine_step_and_the_host_time_device_busy_is_the_engines() -> None:
+    from pivotrl.runtime.messages import ShiftDone, StepSample, SyncReport
+    from pivotrl.runtime.orchestrator import Orchestrator
+
+    ctl = controller(["rollout"])
+    seen: list[float] = []
+    fit = ctl.on_step
+    ctl.on_step = lambda rid, n, dt, now, **kw: (seen.append(dt), fit(rid, n, dt, now, **kw))  # type: ignore
+    orch = Orchestrator(ctl, specs())
+    orch.join("w0", "0", 0.0)
+    orch.tick(0.0)
+    shift = orch.sync(SyncReport(worker="w0"), 0.01)[0].shift
+    assert shift is not None
+    done = ShiftDone(shift.id, "rollout", None, ShiftTimings())
+    orch.sync(SyncReport(worker="w0", free=8, shift_done=done), 0.02)
+    orch.sync(SyncReport(worker="w0", free=8, steps=[StepSample(4, 0.010, 4, host_s=0.003),
+                                                     StepSample(4, 0.012, 4)]), 0.03)
+    assert seen == [pytest.approx(0.013), pytest.approx(0.012)]
+    assert orch.workers["w0"].busy["rollout"] == pytest.approx(0.022)
