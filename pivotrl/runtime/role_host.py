@@ -132,13 +132,15 @@ class RoleHost:
     """Runs the current role's context on one device between syncs with the scheduler.
 
     One loop iteration: start a sync (carrying finished and aborted items, progress, step samples, a
-    flushed gradient sum, a finished shift) → step the engine once while the reply is on its way → apply
-    the reply's commands (shift, abort, flush, new items). `send_sync` starts one round trip and returns a
-    future of the reply: the Dask worker plugin sends it through the worker's scheduler RPC, tests through a
-    function that calls an in-process `Orchestrator`.
+    flushed gradient sum, a finished shift) → step the engine while the reply is on its way (at least once,
+    and on until the reply is here or the work runs out) → apply the reply's commands (shift, abort,
+    flush, new items). `send_sync` starts one round trip and returns a future of the reply: the Dask worker
+    plugin sends it through the worker's scheduler RPC, tests through a function that calls an in-process
+    `Orchestrator`.
 
     Why overlap: the engine steps on the work it already holds while the sync is in flight, so the round
-    trip does not idle the device; commands then apply one step later.
+    trip does not idle the device; commands then apply as many steps later as the round trip lasted (an
+    aborted item comes back with the tokens of those steps too).
     """
 
     def __init__(self, env: WorkerEnv, send_sync: SendSync, *, worker: str, session: str = "",
@@ -219,6 +221,8 @@ class RoleHost:
         stepped = False
         try:
             stepped = self.step()
+            while stepped and not fut.done() and self.step():
+                pass  # the device keeps stepping the work it holds until the reply is here
         except Exception:
             logger.exception("pivotrl role host failed stepping its %s context", self.role)
         try:
