@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.paradigms import GROUPINGS, WARMUP, rotated, run_config, workload
+from benchmarks.paradigms import GROUPINGS, STALENESS_RUN, WARMUP, rotated, run_config, workload
 from pivotrl.runtime.metrics import shift_phase
 
 ROLES = ("rollout", "reward", "train")
@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = workload(args.quick, args.storage, "debug")
     configs: list[tuple[str, str, list[list[str]] | None, int]] = [("colocated", "colocated", None, 0)]
     configs += [(f"static {name}", "disaggregated", groups, 0) for name, groups in GROUPINGS.items()]
-    configs += [("shiftable", "shiftable", None, 0), ("shiftable_async", "shiftable", None, 1)]
+    configs += [("shiftable", "shiftable", None, 0), ("shiftable_async", "shiftable", None, STALENESS_RUN)]
     runs: dict[str, list[Any]] = {name: [] for name, *_ in configs}
     for rep in range(max(1, args.repeats)):
         for name, mode, groups, k in rotated(configs, rep):

@@ -69,3 +69,25 @@ def test_shift_overhead_is_shifting_time_per_shift_beyond_its_phases() -> None:
     assert shift_overhead(runs, [0.004, 0.004]) == pytest.approx(0.011)
     assert shift_overhead(runs, [0.05]) == 0.0
     assert shift_overhead([_Run([_row((0.0, 0.0), 0)])], [0.004]) == 0.0
+
+
+@pytest.mark.parametrize("quick", [True, False])
+def test_the_paradigms_window_is_whole_staleness_periods(quick: bool) -> None:
+    """With staleness k, iterations alternate with period k + 1; a window of 5 at k = 1 read 2-3 % low."""
+    from benchmarks.paradigms import STALENESS_RUN, measured_iterations
+
+    assert measured_iterations(quick) % (STALENESS_RUN + 1) == 0
+
+
+def test_an_odd_window_of_alternating_iterations_miscounts_and_a_whole_period_does_not() -> None:
+    """A steady k = 1 pipeline: each completion-to-completion window alternates a short iteration (most of
+    its tokens processed before it opens) and a long one. Over whole periods the window reads the steady
+    rate; with one short window more it reads low, as the real rounds did."""
+    short, long_ = (10_000.0, 1.0), (35_000.0, 2.75)
+    steady = (short[0] + long_[0]) / (short[1] + long_[1]) / 2
+
+    def window(rows: list[tuple[float, float]]) -> float:
+        return window_throughput([t for t, _ in rows], [t / s / 2 for t, s in rows])
+
+    assert window([short, long_] * 2) == pytest.approx(steady)
+    assert window([short, long_] * 2 + [short]) < 0.99 * steady  # 0.980
