@@ -33,18 +33,27 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.paradigms import GROUPINGS, STALENESS_RUN, WARMUP, rotated, run_config, workload
+from benchmarks.paradigms import (
+    COOLDOWN,
+    GROUPINGS,
+    STALENESS_RUN,
+    WARMUP,
+    rotated,
+    run_config,
+    window_rows,
+    workload,
+)
 from pivotrl.runtime.metrics import shift_phase
 
 ROLES = ("rollout", "reward", "train")
 
 
 def measured(res: Any) -> dict[str, Any]:
-    rows = res.iterations[WARMUP:]
+    rows = window_rows(res.iterations)
     # completion to completion, as the simulator's side: an iteration's own `seconds` start after the
     # driver's bookkeeping of the one before, which is part of the barrier between them
     secs = [float(b["elapsed_s"]) - float(a["elapsed_s"])
-            for a, b in itertools.pairwise(res.iterations[WARMUP - 1:])]
+            for a, b in itertools.pairwise(res.iterations[WARMUP - 1: len(res.iterations) - COOLDOWN])]
     tokens = [r["tokens_rollout"] + r["tokens_reward"] + r["tokens_train"] for r in rows]
     dev = {k: statistics.mean(sum(d.get(k, 0.0) for d in r["device_time"].values()) for r in rows)
            for k in ("rollout", "reward", "train", "flush", "shifting", "sync", "idle")}
@@ -189,7 +198,8 @@ def simulated(sim_cfg: Any, mode: str, split: dict[str, int] | None, tokens_per_
 
     r = simulate(sim_cfg, mode, split, record=False)
     ends = [it["start_s"] + it["total_s"] for it in r.iterations]
-    secs = [b - a for a, b in itertools.pairwise(ends)]
+    # the real side's window: from the warm-up's counterpart (the first) to the last before the cool-down
+    secs = [b - a for a, b in itertools.pairwise(ends[: len(ends) - COOLDOWN])]
     s = statistics.median(secs)
     window = statistics.mean(secs)  # a window's throughput, as the real side (`paradigms.window_throughput`)
     # busy device-seconds per role per iteration, the real runs' `device_s_per_iteration` counterpart

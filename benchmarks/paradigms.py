@@ -62,7 +62,7 @@ def workload(quick: bool, storage: Path, model_size: str) -> Any:
         "run": {
             "name": "paradigms",
             "seed": 0,
-            "iterations": WARMUP + measured_iterations(quick),
+            "iterations": WARMUP + measured_iterations(quick) + COOLDOWN,
             "storage_root": str(storage),
         },
         "models": {
@@ -94,17 +94,25 @@ def workload(quick: bool, storage: Path, model_size: str) -> Any:
 
 
 WARMUP = 1  # iterations run but not measured: worker start-up (imports, first loads) is not throughput
+COOLDOWN = 1  # the last iteration, run but not measured: nothing follows it, so with staleness no next
+# iteration's rollouts run in its tail as they ran in every measured one's
 STALENESS_RUN = 1  # the largest `run.max_staleness` a paradigm here runs with
+
+
+def window_rows(iterations: list[Any]) -> list[Any]:
+    """The measured iterations of one run: past the warm-up, before the cool-down."""
+    return iterations[WARMUP: len(iterations) - COOLDOWN]
 
 
 def measured_iterations(quick: bool) -> int:
     """Iterations measured after the warm-up: 6 (quick; fewer and one iteration's ±10 % swing on a shared
     box shows) or 8, each a whole number of staleness periods. With staleness k, short and long iterations
-    alternate with a period of k + 1, and a window that ends one phase off where it began miscounts: it
-    opens just after a long iteration (the next one's rollouts already done, their tokens before the
-    window) and closes just after a short one (the next one's barely begun). Measured with 5 measured
-    iterations at k = 1: every round's window 2-3 % below both of its whole-period 4-iteration windows
-    (docs/decisions.md)."""
+    alternate with a period of k + 1, and a window must close at the phase it opened at: it opens just
+    after the warm-up, a long iteration (the next one's rollouts already done, their tokens before the
+    window), so it closes after a long one too, with the next iteration's rollouts in flight again (hence
+    the cool-down). Measured at k = 1, 5 iterations to the run's end: every round's window 1-3 % below both
+    of its whole-period 4-iteration windows; 6 to the run's end, the last two lost the alternation
+    (docs/decisions.md, "the window is whole staleness periods")."""
     n = 6 if quick else 8
     assert n % (STALENESS_RUN + 1) == 0
     return n
@@ -129,11 +137,12 @@ def window_throughput(tokens: list[float], per_device: list[float]) -> float:
 
 
 def summarise(res: Any) -> dict[str, Any]:
-    rows = res.iterations[WARMUP:]
+    rows = window_rows(res.iterations)
     per_dev = [r["tokens_per_s_per_device"] for r in rows]
     tokens = [r["tokens_rollout"] + r["tokens_reward"] + r["tokens_train"] for r in rows]
     n_measured = sum(int(r["shifts"]) for r in rows)  # shifts done during the measured iterations
-    shifts = res.shifts[len(res.shifts) - n_measured :] if n_measured else []
+    end = len(res.shifts) - sum(int(r["shifts"]) for r in res.iterations[len(res.iterations) - COOLDOWN:])
+    shifts = res.shifts[end - n_measured : end] if n_measured else []
     phases = {}
     for ph in PHASES:
         vals = [shift_phase(e, ph) for e in shifts]
@@ -292,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
             "model_size": args.model_size,
             "devices": 2,
             "iterations": cfg.run.iterations,
-            "measured_iterations": cfg.run.iterations - WARMUP,
+            "measured_iterations": cfg.run.iterations - WARMUP - COOLDOWN,
             "repeats": args.repeats,
             "samples_per_iteration": cfg.task.prompts_per_iteration * cfg.task.group_size,
         },

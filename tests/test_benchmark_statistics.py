@@ -73,7 +73,7 @@ def test_shift_overhead_is_shifting_time_per_shift_beyond_its_phases() -> None:
 
 @pytest.mark.parametrize("quick", [True, False])
 def test_the_paradigms_window_is_whole_staleness_periods(quick: bool) -> None:
-    """With staleness k, iterations alternate with period k + 1; a window of 5 at k = 1 read 2-3 % low."""
+    """With staleness k, iterations alternate with period k + 1; a window of 5 at k = 1 read 1-3 % low."""
     from benchmarks.paradigms import STALENESS_RUN, measured_iterations
 
     assert measured_iterations(quick) % (STALENESS_RUN + 1) == 0
@@ -91,3 +91,27 @@ def test_an_odd_window_of_alternating_iterations_miscounts_and_a_whole_period_do
 
     assert window([short, long_] * 2) == pytest.approx(steady)
     assert window([short, long_] * 2 + [short]) < 0.99 * steady  # 0.980
+
+
+def test_the_window_leaves_out_the_warm_up_and_the_cool_down_and_their_shifts() -> None:
+    """The last iteration runs with nothing after it (no next rollouts in its tail), so it is not measured;
+    nor are its shifts, which come last in the run's shift list."""
+    from types import SimpleNamespace
+
+    from benchmarks.paradigms import COOLDOWN, WARMUP, summarise, window_rows
+
+    n = WARMUP + 4 + COOLDOWN
+
+    def row(i: int) -> dict:
+        return {"iteration": i, "tokens_per_s_per_device": 100.0 + i, "tokens_rollout": 10 * i,
+                "tokens_reward": 0, "tokens_train": 0, "seconds": 1.0, "shifts": i,
+                **{f"alloc_{k}": 0.2 for k in ("rollout", "reward", "train", "shifting", "idle")}}
+
+    iterations = [row(i) for i in range(n)]
+    assert [r["iteration"] for r in window_rows(iterations)] == list(range(WARMUP, n - COOLDOWN))
+    shifts = [{"iteration": i, "timings": {}, "total": float(i)} for i in range(n) for _ in range(i)]
+    out = summarise(SimpleNamespace(iterations=iterations, shifts=shifts, wall_s=1.0))
+    measured = range(WARMUP, n - COOLDOWN)
+    assert out["tokens_each"] == [10 * i for i in measured]
+    assert out["shifts"] == sum(measured)
+    assert out["mean_shift_s"]["total"] == pytest.approx(sum(i * i for i in measured) / sum(measured))
