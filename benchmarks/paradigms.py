@@ -8,7 +8,9 @@ rollout → GenRM judge → GRPO gradients → optimizer step → new version �
 2-device LocalCluster (one worker per core). Throughput is *tokens processed per second per device*:
 rollout tokens generated + judge tokens generated + tokens trained on, over the wall time of the measured
 iterations (`window_throughput`), after one warm-up iteration that every paradigm runs the same way
-(worker start-up: imports, first model loads); the median of the per-iteration figures is kept beside it.
+(worker start-up: imports, first model loads) and before one cool-down iteration (the run's last, with
+nothing after it to overlap: `measured_iterations`); the median of the per-iteration figures is kept
+beside it.
 
 Disaggregated means static devices per role. Two devices cannot give each of three roles its own device,
 so the valid static splits give each device a fixed *group* of roles, time-shared colocated-style inside
