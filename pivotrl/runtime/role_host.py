@@ -221,7 +221,7 @@ class RoleHost:
         stepped = False
         try:
             stepped = self.step()
-            while stepped and not fut.done() and self.step():
+            while stepped and not fut.done() and not self.stop.is_set() and self.step():
                 pass  # the device keeps stepping the work it holds until the reply is here
         except Exception:
             logger.exception("pivotrl role host failed stepping its %s context", self.role)

@@ -351,3 +351,14 @@ def test_core_fits_the_engine_step_and_the_host_time_device_busy_is_the_engines(
                                                      StepSample(4, 0.012, 4)]), 0.03)
     assert seen == [pytest.approx(0.013), pytest.approx(0.012)]
     assert orch.workers["w0"].busy["rollout"] == pytest.approx(0.022)
+
+
+def test_a_stopping_host_does_not_step_on_while_its_reply_is_out() -> None:
+    sent: list = []
+    ctx = _Held(step_s=0.001)
+    host = _host(_replying(0.2, [], sent), ctx, sync_every_s=0.0)
+    host.stop.set()
+    t0 = time.perf_counter()
+    host.run_once()
+    assert ctx.steps == 1  # the one step that overlaps any sync, then the reply, not 200 more steps
+    assert time.perf_counter() - t0 < 1.0
