@@ -276,7 +276,7 @@ def _replying(after_s: float, replies: list, sent: list):
 def test_a_step_sample_carries_the_host_time_since_the_last_step_while_work_waited() -> None:
     """Core fits what a step costs the device: host time between two steps of held work (here a sync
     whose sending costs 30 ms, as serialising a report does on a loaded CPU; measured on the real cluster:
-    10-16 % beyond the engine's step) is the device's cost per step; waiting for work, or a command's own
+    11-17 % beyond the engine's step) is the device's cost per step; waiting for work, or a command's own
     time, is not."""
     from concurrent.futures import Future
 
