@@ -46,8 +46,8 @@ def dispatch_role(state: ClusterState, role: Role) -> list[Assignment]:
     whole = state.config.spec(role).whole_batches
     active = state.active(role)
     share = -(-len(queue) // max(len(active), 1)) if whole else 1 << 30
+    # a whole-batch replica is given work only while idle, so its `remaining` is what this call gave it
     work_share = queue.work / max(len(active), 1) if whole else math.inf
-    taken: dict[str, float] = {}  # work given to each replica in this call
     for idx, rep in enumerate(active):
         if rep.n < min(rep.max_seqs, share) and not (whole and rep.n > 0):
             heap.append((-rep.model.marginal_gain(rep.n), idx, rep))
@@ -72,11 +72,9 @@ def dispatch_role(state: ClusterState, role: Role) -> list[Assignment]:
             break
         queue.pop()
         rep = chosen[2]
-        if whole:
-            taken[rep.replica_id] = taken.get(rep.replica_id, 0.0) + seq.remaining_estimate()
         state.start(seq, rep)
         out.append(Assignment(seq.seq_id, rep.replica_id))
-        if rep.n < min(rep.max_seqs, share) and taken.get(rep.replica_id, 0.0) < work_share:
+        if rep.n < min(rep.max_seqs, share) and rep.remaining < work_share:
             heapq.heappush(heap, (-rep.model.marginal_gain(rep.n), chosen[1], rep))
     if len(queue):
         state.blocked[role] = True
