@@ -5,7 +5,13 @@
 // for its own target, so one build (and one cache directory) runs on any x86-64 CPU and carries every
 // path; the best the CPU's flags allow (cpuid, `__builtin_cpu_supports`) is taken unless `set_isa` (from
 // PIVOTRL_KERNEL_ISA, see kernels.py) forces another.
-#include <torch/extension.h>
+// Only the headers used, not <torch/extension.h> (the whole C++ frontend): this file is most of the
+// build, which a fresh checkout compiles before its first decode step (docs/decisions.md).
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
+#include <torch/csrc/utils/pybind.h>  // pybind11 with the Tensor caster
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 
@@ -86,7 +92,7 @@ void set_isa(const std::string& name) {
 
 std::string isa() { return active().name; }
 
-bf16* as_bf16(const torch::Tensor& t) { return reinterpret_cast<bf16*>(t.data_ptr<c10::BFloat16>()); }
+bf16* as_bf16(const at::Tensor& t) { return reinterpret_cast<bf16*>(t.data_ptr<c10::BFloat16>()); }
 
 }  // namespace
 
@@ -99,20 +105,20 @@ bool has_linear(c10::ScalarType dtype) {
 // w [N, K] -> panels: fp32 [ceil(N / 16), K, 16]; bf16 (K even) [ceil(N / 16), K / 2, 16, 2], for each pair of
 // k the 16 columns' (k, k+1) weights side by side, the second operand of VDPBF16PS. Padded columns are zero.
 // One layout for every instruction set, so a packed weight computes on whichever path is active.
-torch::Tensor pack_linear(torch::Tensor w) {
+at::Tensor pack_linear(at::Tensor w) {
   TORCH_CHECK(w.dim() == 2 && (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16),
               "pack_linear: w must be [N, K] fp32 or bf16");
   const bool is_bf16 = w.scalar_type() == at::kBFloat16;
   TORCH_CHECK(!is_bf16 || w.size(1) % 2 == 0, "pack_linear: bf16 needs K even");
   const int64_t N = w.size(0), K = w.size(1), panels = (N + pivotrl::kLanes - 1) / pivotrl::kLanes;
-  auto padded = torch::zeros({panels * pivotrl::kLanes, K}, w.options());
+  auto padded = at::zeros({panels * pivotrl::kLanes, K}, w.options());
   padded.narrow(0, 0, N).copy_(w);
   if (is_bf16) return padded.view({panels, pivotrl::kLanes, K / 2, 2}).permute({0, 2, 1, 3}).contiguous();
   return padded.view({panels, pivotrl::kLanes, K}).permute({0, 2, 1}).contiguous();
 }
 
 // x [..., K] @ packed (from pack_linear, same dtype) -> [..., N], plus bias [N] (added in fp32) if given.
-torch::Tensor linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t N) {
+at::Tensor linear(at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias, int64_t N) {
   const auto dtype = x.scalar_type();
   TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && packed.scalar_type() == dtype &&
                   packed.is_contiguous(),
@@ -126,8 +132,8 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch:
   auto xc = x.contiguous();
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = N;
-  auto y = torch::empty(shape, x.options());
-  torch::Tensor b;
+  auto y = at::empty(shape, x.options());
+  at::Tensor b;
   if (bias.has_value()) {
     TORCH_CHECK(bias->numel() == N, "linear: bias must have N elements");
     b = bias->to(at::kFloat).contiguous();
@@ -148,8 +154,8 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch:
 // model.KVSlots; L is a multiple of kBlock), lens: [B]
 // positions (sequence b sits in slot b and attends to positions 0..lens[b]). Stores the new k, v at
 // position lens[b] of slot b and returns the attention output [B, H * D].
-torch::Tensor decode_attention(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor kv,
-                               torch::Tensor lens, int64_t heads, double scale) {
+at::Tensor decode_attention(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor kv,
+                               at::Tensor lens, int64_t heads, double scale) {
   TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous(), "qkv must be a contiguous [B, (H + 2KV) * D]");
   TORCH_CHECK(kv.dim() == 5 && kv.size(0) == 2 && kv.is_contiguous(), "kv must be a contiguous [2, slots, KV, L, D]");
   TORCH_CHECK(kv.scalar_type() == qkv.scalar_type(), "kv and qkv dtypes differ");
@@ -162,7 +168,7 @@ torch::Tensor decode_attention(torch::Tensor qkv, torch::Tensor cos, torch::Tens
   const int64_t* pos = lens.data_ptr<int64_t>();
   TORCH_CHECK(L % pivotrl::kBlock == 0, "the cache length must be a multiple of ", pivotrl::kBlock);
   for (int64_t b = 0; b < B; ++b) TORCH_CHECK(pos[b] >= 0 && pos[b] < L, "a position is outside the cache");
-  auto y = torch::empty({B, heads * D}, qkv.options());
+  auto y = at::empty({B, heads * D}, qkv.options());
   const KernelTable& k = active().table;
   const float sc = static_cast<float>(scale);
   if (qkv.scalar_type() == at::kFloat) {
@@ -182,13 +188,13 @@ torch::Tensor decode_attention(torch::Tensor qkv, torch::Tensor cos, torch::Tens
 
 // The residual add and RMSNorm between sublayers as one pass: x += delta (in place; delta may be None),
 // returns rms_norm(x) * weight. x, delta: contiguous [rows, dim]; weight: [dim]; all one dtype.
-torch::Tensor add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> delta, torch::Tensor weight, double eps) {
+at::Tensor add_rms_norm(at::Tensor x, c10::optional<at::Tensor> delta, at::Tensor weight, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.is_contiguous() && weight.numel() == x.size(1) &&
               weight.scalar_type() == x.scalar_type(), "add_rms_norm: x [rows, dim] contiguous, weight [dim]");
   if (delta.has_value())
     TORCH_CHECK(delta->is_contiguous() && delta->sizes() == x.sizes() && delta->scalar_type() == x.scalar_type(),
                 "add_rms_norm: delta must match x");
-  auto out = torch::empty_like(x);
+  auto out = at::empty_like(x);
   const KernelTable& k = active().table;
   const float e = static_cast<float>(eps);
   if (x.scalar_type() == at::kFloat) {
@@ -204,10 +210,10 @@ torch::Tensor add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> delta, 
 }
 
 // SwiGLU's silu(gate) * up from the fused gate|up projection [rows, 2 * inner] -> [rows, inner].
-torch::Tensor silu_mul(torch::Tensor gate_up) {
+at::Tensor silu_mul(at::Tensor gate_up) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0, "silu_mul: [rows, 2I]");
   const int64_t rows = gate_up.size(0), inner = gate_up.size(1) / 2;
-  auto out = torch::empty({rows, inner}, gate_up.options());
+  auto out = at::empty({rows, inner}, gate_up.options());
   const KernelTable& k = active().table;
   if (gate_up.scalar_type() == at::kFloat) {
     k.silu_mul_f32(gate_up.data_ptr<float>(), out.data_ptr<float>(), rows, inner);
