@@ -57,6 +57,14 @@ def _restore_learned(controller: Any, data: dict[str, Any], log: Callable[[str],
     log("resume: the controller starts from its learned shift costs and step-time fits")
 
 
+def _uses_native_kernels(cfg: PipelineConfig) -> bool:
+    """Whether the run's engines may decode with the native CPU kernels (`pivotrl.engines.kernels`)."""
+    from pivotrl.engines import kernels
+
+    engines = (cfg.rollout.engine, cfg.reward.engine)
+    return kernels.enabled_by_env() and any(e.backend == "torch" for e in engines)
+
+
 def resolve_models(cfg: PipelineConfig, log: Callable[[str], None]) -> dict[str, Path]:
     """HF directories of the version-0 policy and judge: given paths, or the (cached) bootstrap."""
     paths: dict[str, Path] = {}
@@ -73,7 +81,7 @@ def resolve_models(cfg: PipelineConfig, log: Callable[[str], None]) -> dict[str,
             from pivotrl.engines import bootstrap
         except ImportError as exc:
             raise UserError("models: no path given and the bootstrap module is unavailable") from exc
-        built = bootstrap.ensure_bootstrap(cfg, log=log)  # cached under storage/models
+        built = bootstrap.ensure_bootstrap(cfg, log=log, build_kernels=_uses_native_kernels(cfg))
         paths.setdefault("policy", Path(built.policy_dir))
         paths.setdefault("genrm", Path(built.judge_dir))
         log(f"bootstrap: policy {paths['policy']}, judge {paths['genrm']} ({time.monotonic() - t0:.1f}s)")

@@ -397,12 +397,18 @@ def ensure_bootstrap(
     parallel: bool = True,
     log=print,
     board: Board | None = None,
+    build_kernels: bool = False,
 ) -> BootstrapResult:
     """Return the cached version-0 policy and judge, training whichever is missing.
 
     With ``parallel`` the two models train at once in two processes of one thread each: the bootstrap is
     two independent jobs, and this is how it uses both cores of a small machine. Progress (steps, loss,
     ETA per model) is drawn on stderr by a `sft_progress.Board` (``board``; a default one when None).
+
+    With ``build_kernels`` as well, the native decode kernels (`kernels.native`) are compiled into torch's
+    extension cache by whichever of the two processes finishes first, on the core it leaves idle while the
+    other model trains. Why: a fresh checkout compiles them before its first decode step, and the run's
+    first engine would otherwise wait for that compile with both cores free.
     """
     t0 = time.perf_counter()
     dirs = {role: model_dir(cfg, role) for role in ROLES}
@@ -415,7 +421,9 @@ def ensure_bootstrap(
         if "policy" in todo and cfg.reward.sft.init == "policy":
             parallel = False  # the judge starts from the policy: one after the other
         if parallel and len(jobs) > 1:
-            results = _train_in_processes(jobs, board)
+            results, kernel_path = _train_in_processes(jobs, board, build_kernels)
+            if kernel_path is not None:
+                log(f"bootstrap: native kernels ready ({kernel_path}), built beside the training")
         else:
             results = []
             for cfg_data, role, out in jobs:
@@ -434,15 +442,31 @@ def ensure_bootstrap(
     return BootstrapResult(dirs["policy"], dirs["genrm"], time.perf_counter() - t0, todo, stats)
 
 
-def _train_in_processes(jobs: list[tuple[dict[str, Any], str, str]], board: Board) -> list[dict[str, Any]]:
-    """Each job in its own spawned process; their progress reports are drawn on `board` as they come."""
+def _build_kernels_entry() -> str:
+    """Compile the native kernels in this process; the path they run on, or why there is none."""
+    os.environ["MAX_JOBS"] = "1"  # torch's compile runs one file at a time: the other core trains
+    from pivotrl.engines import kernels
+
+    try:
+        return kernels.isa()
+    except Exception as exc:  # e.g. a forced ISA this CPU lacks: each engine raises it where it is used
+        return f"not built: {type(exc).__name__}: {exc}"
+
+
+def _train_in_processes(
+    jobs: list[tuple[dict[str, Any], str, str]], board: Board, build_kernels: bool = False
+) -> tuple[list[dict[str, Any]], str | None]:
+    """Each job in its own spawned process; their progress reports are drawn on `board` as they come.
+    With ``build_kernels``, the kernel compile is queued behind the jobs: the first process to finish
+    runs it. Returns the jobs' results and the kernels' path (None when not asked)."""
     import multiprocessing as mp
     import queue as queue_mod
 
     ctx = mp.get_context("spawn")
     updates = ctx.Queue()
     with ctx.Pool(len(jobs), initializer=_init_worker, initargs=(updates,)) as pool:
-        pending = pool.map_async(_train_role_entry, jobs)
+        pending = pool.map_async(_train_role_entry, jobs, chunksize=1)
+        kernels = pool.apply_async(_build_kernels_entry) if build_kernels else None
         while True:
             try:
                 board.update(*updates.get(timeout=0.2))
@@ -454,7 +478,7 @@ def _train_in_processes(jobs: list[tuple[dict[str, Any], str, str]], board: Boar
                 board.update(*updates.get_nowait())
             except queue_mod.Empty:
                 break
-        return pending.get()
+        return pending.get(), None if kernels is None else kernels.get()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -165,3 +165,57 @@ def test_judge_can_start_from_the_policy(tmp_path):
         tmp_path, **{"reward.sft.init": "policy", "reward.sft.steps": 0, "train.sft.steps": 4}
     )
     assert bs.model_dir(policy_changed, "genrm") != res.judge_dir  # the judge's key covers the policy's
+
+
+def test_parallel_bootstrap_builds_the_native_kernels_beside_the_training(tmp_path, monkeypatch):
+    """The kernels are compiled into the cache the engines load from, by a bootstrap process, and the
+    path they run on is reported; without ``build_kernels`` nothing is said about them."""
+    from pivotrl.engines import kernels
+
+    lines: list[str] = []
+    bs.ensure_bootstrap(tiny_cfg(tmp_path / "a"), parallel=True, log=lines.append, build_kernels=True)
+    ready = [line for line in lines if "native kernels ready" in line]
+    assert ready == [f"bootstrap: native kernels ready ({kernels.isa()}), built beside the training"]
+
+    lines.clear()
+    bs.ensure_bootstrap(tiny_cfg(tmp_path / "b"), parallel=True, log=lines.append)
+    assert not [line for line in lines if "kernels" in line]
+
+    monkeypatch.setenv("PIVOTRL_NATIVE_KERNELS", "0")  # the spawned processes inherit it
+    lines.clear()
+    bs.ensure_bootstrap(tiny_cfg(tmp_path / "c"), parallel=True, log=lines.append, build_kernels=True)
+    assert "bootstrap: native kernels ready (torch), built beside the training" in lines
+
+
+@pytest.mark.slow
+def test_the_bootstrap_kernel_build_fills_an_empty_cache(tmp_path, monkeypatch):
+    """From an empty extension cache, the engines find the build the bootstrap made (slow: one compile)."""
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    lines: list[str] = []
+    bs.ensure_bootstrap(tiny_cfg(tmp_path / "a"), parallel=True, log=lines.append, build_kernels=True)
+    assert any("native kernels ready (avx" in line or "(scalar)" in line for line in lines), lines
+    built = list((tmp_path / "ext").glob("*/*.so"))
+    assert len(built) == 1
+    mtime = built[0].stat().st_mtime
+    load = "from pivotrl.engines import kernels; print(kernels.native() is not None)"
+    p = subprocess.run([sys.executable, "-c", load], capture_output=True, text=True, timeout=600)
+    assert p.stdout.strip() == "True", p.stderr[-2000:]
+    assert built[0].stat().st_mtime == mtime  # loaded, not rebuilt
+
+
+def test_a_run_builds_kernels_only_for_engines_that_use_them(monkeypatch):
+    from pivotrl.run import _uses_native_kernels
+
+    cfg = load_config(None, PipelineConfig, [])
+    assert _uses_native_kernels(cfg)
+    monkeypatch.setenv("PIVOTRL_NATIVE_KERNELS", "0")
+    assert not _uses_native_kernels(cfg)
+    monkeypatch.delenv("PIVOTRL_NATIVE_KERNELS")
+    both = ["rollout.engine.backend=vllm", "reward.engine.backend=vllm"]
+    both_vllm = load_config(None, PipelineConfig, both)
+    assert not _uses_native_kernels(both_vllm)
+    one_vllm = load_config(None, PipelineConfig, ["rollout.engine.backend=vllm"])
+    assert _uses_native_kernels(one_vllm)
