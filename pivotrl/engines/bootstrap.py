@@ -444,7 +444,8 @@ def ensure_bootstrap(
 
 def _build_kernels_entry() -> str:
     """Compile the native kernels in this process; the path they run on, or why there is none."""
-    os.environ["MAX_JOBS"] = "1"  # torch's compile runs one file at a time: the other core trains
+    # torch's compile runs this many files at once: every core but the one the other model trains on
+    os.environ["MAX_JOBS"] = str(max(1, (os.cpu_count() or 2) - 1))
     from pivotrl.engines import kernels
 
     try:
