@@ -311,7 +311,7 @@ def run_pipeline(
     from pivotrl.pipeline import Pipeline, StageContext, default_stages, run_iterations
 
     keep_freed_memory()  # the driver's optimizer steps and the scheduler: see pivotrl/malloc.py
-    from pivotrl.runtime.cluster import open_cluster
+    from pivotrl.runtime.cluster import default_workers, driver_threads, open_cluster
     from pivotrl.runtime.metrics import persisted, write_metrics
     from pivotrl.runtime.node_local import driver_peers, node_local_templates, node_local_tiers
     from pivotrl.runtime.session import RuntimeSession
@@ -371,6 +371,11 @@ def run_pipeline(
                 dashboard_address=cl.dashboard_address,
             ) as handle, contextlib.ExitStack() as stack:
                 n_dev = len(handle.device_workers())
+                if handle.cluster is not None:  # the workers share this machine's cores
+                    import torch
+
+                    stack.callback(torch.set_num_threads, torch.get_num_threads())
+                    torch.set_num_threads(driver_threads(default_workers(), n_dev, cl.torch_threads))
                 if sharded:
                     owner = start_sharded_owner(cfg, handle.client, gps, gps_opts, paths["policy"], resumed)
                     ctx.policy_version = owner.version

@@ -36,6 +36,17 @@ def default_workers() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+def driver_threads(cores: int, local_workers: int, worker_threads: int) -> int:
+    """torch threads for the driver beside `local_workers` device workers of `worker_threads` threads each
+    on this machine's `cores`: the cores they leave, at least one.
+
+    Why: the driver's torch ops (the optimizer step, gradient sums) are small, and an OpenMP team of
+    threads waits at each op's barrier for a core a busy worker holds. Measured on 2 cores with both
+    cores busy: a 0.13M-parameter fused AdamW step took 0.3–0.5 ms (median) with 1 thread, and
+    0.7–40 ms median, 85–140 ms p90, with 2 (docs/decisions.md, "The driver leaves the workers' cores")."""
+    return max(1, cores - local_workers * worker_threads)
+
+
 def cuda_available() -> bool:
     try:
         import torch

@@ -84,3 +84,11 @@ def test_local_cuda_cluster_is_non_daemonic_and_keeps_the_parents_gpus(monkeypat
     assert seen["kwargs"]["n_workers"] == 2
     assert "CUDA_VISIBLE_DEVICES" not in seen["kwargs"]  # dask-cuda rotates the parent's "4,5" itself
     assert dask.config.get("distributed.worker.daemon") is not False
+
+
+@pytest.mark.parametrize(
+    ("cores", "workers", "threads", "expected"),
+    [(2, 2, 1, 1), (2, 1, 1, 1), (16, 1, 1, 15), (16, 4, 2, 8), (4, 8, 1, 1), (1, 1, 1, 1)],
+)
+def test_the_driver_takes_the_cores_the_local_workers_leave(cores, workers, threads, expected):
+    assert cluster_mod.driver_threads(cores, workers, threads) == expected
