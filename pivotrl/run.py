@@ -375,7 +375,8 @@ def run_pipeline(
                     import torch
 
                     stack.callback(torch.set_num_threads, torch.get_num_threads())
-                    torch.set_num_threads(driver_threads(default_workers(), n_dev, cl.torch_threads))
+                    cores = default_workers()  # this machine's usable cores
+                    torch.set_num_threads(driver_threads(cores, n_dev, cl.torch_threads))
                 if sharded:
                     owner = start_sharded_owner(cfg, handle.client, gps, gps_opts, paths["policy"], resumed)
                     ctx.policy_version = owner.version

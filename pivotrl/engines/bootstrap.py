@@ -422,8 +422,11 @@ def ensure_bootstrap(
             parallel = False  # the judge starts from the policy: one after the other
         if parallel and len(jobs) > 1:
             results, kernel_path = _train_in_processes(jobs, board, build_kernels)
-            if kernel_path is not None:
+            if kernel_path in ("avx512", "avx2", "scalar"):
                 log(f"bootstrap: native kernels ready ({kernel_path}), built beside the training")
+            elif kernel_path is not None:
+                why = "the engines use torch ops" if kernel_path == "torch" else kernel_path
+                log(f"bootstrap: no native kernels built beside the training ({why})")
         else:
             results = []
             for cfg_data, role, out in jobs:
@@ -443,15 +446,16 @@ def ensure_bootstrap(
 
 
 def _build_kernels_entry() -> str:
-    """Compile the native kernels in this process; the path they run on, or why there is none."""
-    # torch's compile runs this many files at once: every core but the one the other model trains on
-    os.environ["MAX_JOBS"] = str(max(1, (os.cpu_count() or 2) - 1))
+    """Compile the native kernels in this process: the path they run on (`kernels.isa`, ``torch`` when
+    they are off or cannot be built), or the error that stopped them."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
+    os.environ["MAX_JOBS"] = str(max(1, cores - 1))  # files compiled at once: all cores but the trainer's
     from pivotrl.engines import kernels
 
     try:
         return kernels.isa()
     except Exception as exc:  # e.g. a forced ISA this CPU lacks: each engine raises it where it is used
-        return f"not built: {type(exc).__name__}: {exc}"
+        return f"{type(exc).__name__}: {exc}"
 
 
 def _train_in_processes(

@@ -184,7 +184,15 @@ def test_parallel_bootstrap_builds_the_native_kernels_beside_the_training(tmp_pa
     monkeypatch.setenv("PIVOTRL_NATIVE_KERNELS", "0")  # the spawned processes inherit it
     lines.clear()
     bs.ensure_bootstrap(tiny_cfg(tmp_path / "c"), parallel=True, log=lines.append, build_kernels=True)
-    assert "bootstrap: native kernels ready (torch), built beside the training" in lines
+    assert "bootstrap: no native kernels built beside the training (the engines use torch ops)" in lines
+
+    monkeypatch.setenv("PIVOTRL_NATIVE_KERNELS", "1")
+    monkeypatch.setenv("PIVOTRL_KERNEL_ISA", "no-such-isa")  # reported; the trained models are kept
+    lines.clear()
+    res = bs.ensure_bootstrap(tiny_cfg(tmp_path / "d"), parallel=True, log=lines.append, build_kernels=True)
+    assert (res.policy_dir / "bootstrap.json").is_file() and (res.judge_dir / "bootstrap.json").is_file()
+    said = [line for line in lines if line.startswith("bootstrap: no native kernels")]
+    assert len(said) == 1 and "no-such-isa" in said[0]
 
 
 @pytest.mark.slow

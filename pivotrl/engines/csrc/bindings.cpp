@@ -154,8 +154,8 @@ at::Tensor linear(at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bia
 // model.KVSlots; L is a multiple of kBlock), lens: [B]
 // positions (sequence b sits in slot b and attends to positions 0..lens[b]). Stores the new k, v at
 // position lens[b] of slot b and returns the attention output [B, H * D].
-at::Tensor decode_attention(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor kv,
-                               at::Tensor lens, int64_t heads, double scale) {
+at::Tensor decode_attention(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor kv, at::Tensor lens,
+                            int64_t heads, double scale) {
   TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous(), "qkv must be a contiguous [B, (H + 2KV) * D]");
   TORCH_CHECK(kv.dim() == 5 && kv.size(0) == 2 && kv.is_contiguous(), "kv must be a contiguous [2, slots, KV, L, D]");
   TORCH_CHECK(kv.scalar_type() == qkv.scalar_type(), "kv and qkv dtypes differ");
