@@ -172,10 +172,13 @@ def test_parallel_bootstrap_builds_the_native_kernels_beside_the_training(tmp_pa
     path they run on is reported; without ``build_kernels`` nothing is said about them."""
     from pivotrl.engines import kernels
 
+    none = "bootstrap: no native kernels built beside the training (the engines use torch ops)"
+    have = kernels.native() is not None  # False where no compiler can build them: the torch ops then
     lines: list[str] = []
     bs.ensure_bootstrap(tiny_cfg(tmp_path / "a"), parallel=True, log=lines.append, build_kernels=True)
-    ready = [line for line in lines if "native kernels ready" in line]
-    assert ready == [f"bootstrap: native kernels ready ({kernels.isa()}), built beside the training"]
+    said = [line for line in lines if "native kernels" in line]
+    assert said == [f"bootstrap: native kernels ready ({kernels.isa()}), built beside the training" if have
+                    else none]
 
     lines.clear()
     bs.ensure_bootstrap(tiny_cfg(tmp_path / "b"), parallel=True, log=lines.append)
@@ -184,8 +187,9 @@ def test_parallel_bootstrap_builds_the_native_kernels_beside_the_training(tmp_pa
     monkeypatch.setenv("PIVOTRL_NATIVE_KERNELS", "0")  # the spawned processes inherit it
     lines.clear()
     bs.ensure_bootstrap(tiny_cfg(tmp_path / "c"), parallel=True, log=lines.append, build_kernels=True)
-    assert "bootstrap: no native kernels built beside the training (the engines use torch ops)" in lines
-
+    assert none in lines
+    if not have:
+        return
     monkeypatch.setenv("PIVOTRL_NATIVE_KERNELS", "1")
     monkeypatch.setenv("PIVOTRL_KERNEL_ISA", "no-such-isa")  # reported; the trained models are kept
     lines.clear()
