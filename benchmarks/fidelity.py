@@ -53,7 +53,7 @@ def measured(res: Any) -> dict[str, Any]:
     # completion to completion, as the simulator's side: an iteration's own `seconds` start after the
     # driver's bookkeeping of the one before, which is part of the barrier between them
     secs = [float(b["elapsed_s"]) - float(a["elapsed_s"])
-            for a, b in itertools.pairwise(res.iterations[WARMUP - 1: len(res.iterations) - COOLDOWN])]
+            for a, b in itertools.pairwise(window_rows(res.iterations, lead=1))]
     tokens = [r["tokens_rollout"] + r["tokens_reward"] + r["tokens_train"] for r in rows]
     dev = {k: statistics.mean(sum(d.get(k, 0.0) for d in r["device_time"].values()) for r in rows)
            for k in ("rollout", "reward", "train", "flush", "shifting", "sync", "idle")}

@@ -101,9 +101,10 @@ COOLDOWN = 1  # the last iteration, run but not measured: nothing follows it, so
 STALENESS_RUN = 1  # the largest `run.max_staleness` a paradigm here runs with
 
 
-def window_rows(iterations: list[Any]) -> list[Any]:
-    """The measured iterations of one run: past the warm-up, before the cool-down."""
-    return iterations[WARMUP: len(iterations) - COOLDOWN]
+def window_rows(iterations: list[Any], lead: int = 0) -> list[Any]:
+    """The measured iterations of one run: past the warm-up, before the cool-down; with the `lead`
+    iterations before them (a completion-to-completion timing needs the one before the first)."""
+    return iterations[WARMUP - lead: len(iterations) - COOLDOWN]
 
 
 def measured_iterations(quick: bool) -> int:

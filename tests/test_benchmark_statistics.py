@@ -109,6 +109,7 @@ def test_the_window_leaves_out_the_warm_up_and_the_cool_down_and_their_shifts() 
 
     iterations = [row(i) for i in range(n)]
     assert [r["iteration"] for r in window_rows(iterations)] == list(range(WARMUP, n - COOLDOWN))
+    assert [r["iteration"] for r in window_rows(iterations, lead=1)] == list(range(WARMUP - 1, n - COOLDOWN))
     shifts = [{"iteration": i, "timings": {}, "total": float(i)} for i in range(n) for _ in range(i)]
     out = summarise(SimpleNamespace(iterations=iterations, shifts=shifts, wall_s=1.0))
     measured = range(WARMUP, n - COOLDOWN)

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from pivotrl.config import PipelineConfig, SFTConfig, add_override_argument, load_config
 from pivotrl.engines.genrm import JudgeTemplate
+from pivotrl.engines.kernels import ISAS
 from pivotrl.engines.sft_progress import Board, reporter
 from pivotrl.errors import UserError
 from pivotrl.tasks import Problem, Task, get_task, normalize
@@ -422,7 +423,7 @@ def ensure_bootstrap(
             parallel = False  # the judge starts from the policy: one after the other
         if parallel and len(jobs) > 1:
             results, kernel_path = _train_in_processes(jobs, board, build_kernels)
-            if kernel_path in ("avx512", "avx2", "scalar"):
+            if kernel_path in ISAS:
                 log(f"bootstrap: native kernels ready ({kernel_path}), built beside the training")
             elif kernel_path is not None:
                 why = "the engines use torch ops" if kernel_path == "torch" else kernel_path
