@@ -132,6 +132,10 @@ class ItemLedger:
         item = self.items.get(item_id)
         if item is None or item.worker is None:
             return None
+        # Core decides afresh where an aborted item goes: a target an earlier decision gave it while an
+        # abort was in flight is stale (that replica may be gone, its worker shifting), and this decision's
+        # own dispatch, applied after its aborts, sets the new one.
+        item.next_worker = None
         if item.state is ItemState.ASSIGNED:
             box = self.outbox.get(item.worker, [])
             if item_id in box:

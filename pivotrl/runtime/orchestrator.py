@@ -324,10 +324,13 @@ class Orchestrator:
             self._maybe_flush()
         if info.status == WorkerStatus.READY:
             self.dispatch()
+        # A shifting worker is handed no items: it would have to run them in the context it is leaving
+        # (they stay in its outbox until it is ready, or go back to waiting if core moves them).
+        shifting = info.status == WorkerStatus.SHIFTING
         reply = SyncReply(
-            assign=self.ledger.deliver(worker),
+            assign=[] if shifting else self.ledger.deliver(worker),
             abort=self.ledger.take_aborts(worker),
-            shift=info.shift if info.status == WorkerStatus.SHIFTING else None,
+            shift=info.shift if shifting else None,
             flush=info.flush,
         )
         return reply, drained

@@ -255,6 +255,9 @@ class RoleHost:
         if reply.shift is not None or reply.abort or reply.flush:
             self._stepped_at = None  # a command's own time is not a step's
         if reply.shift is not None:
+            # The orchestrator sends no items with a shift; any that came would be handed back by the
+            # shift's abort, with their tokens, rather than dropped (the ledger holds them as running here).
+            self._pending.extend(reply.assign)
             self.shift(reply.shift)
             return True
         if reply.abort and self.ctx is not None:
@@ -363,9 +366,7 @@ class RoleHost:
         t = time.perf_counter()
         if self.ctx is not None:
             self.flush()  # a train replica hands in its partial gradient sum first
-            self.abort(None)
-        else:
-            self._pending.clear()
+        self.abort(None)  # with no context, what waits in `_pending` goes back all the same
         abort_s = time.perf_counter() - t
         self.sync_now()  # hand the aborted items back now, so other replicas resume them during our load
         t = time.perf_counter()

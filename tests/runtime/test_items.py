@@ -61,6 +61,25 @@ def test_abort_in_flight_goes_to_the_next_worker_with_its_tokens() -> None:
     led.check()
 
 
+def test_a_later_abort_drops_the_target_an_earlier_dispatch_gave_an_item_in_flight() -> None:
+    """Core moved a running item to w1, then (before its partial came back) aborted it again and kept it
+    waiting: w1 may be shifting to another role by then. The partial must come back to WAITING, for core
+    to place, not follow the stale target into w1's outbox (where a shifting worker lost it: a hung run)."""
+    led = ItemLedger()
+    led.add(req("a"))
+    led.assign("a", "w0")
+    led.deliver("w0")
+    assert not led.assign("a", "w1")  # migrating: the abort is in flight, w1 is the target
+    assert led.request_abort("a") is None  # a later decision aborts it again and dispatches it nowhere
+    led.aborted("w0", Partial("a", [1], [-0.1]))
+    assert led.items["a"].state is ItemState.WAITING and led.items["a"].worker is None
+    assert led.deliver("w1") == []
+    assert led.assign("a", "w2")  # core places it when it can
+    [w] = led.deliver("w2")
+    assert w.generated == [1]
+    led.check()
+
+
 def test_train_items_are_done_only_when_their_sum_is_flushed() -> None:
     led = ItemLedger()
     for i in range(3):
