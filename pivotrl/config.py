@@ -39,6 +39,11 @@ class RunConfig(Section):
         None, gt=0, description="stop starting new iterations after this many seconds of training"
     )
     storage_root: StorageRoot = "storage"
+    stall_warn_s: float | None = Field(
+        300.0, gt=0.0,
+        description="warn (and repeat) when the devices send nothing back for this long while work is in "
+        "flight, with what the scheduler holds; None: never",
+    )
     max_staleness: int = Field(
         0,
         ge=0,

@@ -416,6 +416,7 @@ def run_iterations(
     starts at `first_iteration` (the iterations before it have trained; `iterations` is the run's total)."""
     from pivotrl.core.staleness import InFlight, StalenessBound
     from pivotrl.runtime.metrics import IterationMeter
+    from pivotrl.stall import StallWatch, session_describer
 
     cfg, session, ctx = pipeline.ctx.cfg, pipeline.session, pipeline.ctx
     bound = StalenessBound(max_staleness)
@@ -423,6 +424,7 @@ def run_iterations(
     rows: list[dict[str, Any]] = []
     bar = _progress_bar(iterations, first_iteration) if progress else None
     t_start = clock()
+    watch = StallWatch(cfg.run.stall_warn_s, log, session_describer(session), since=t_start)
     runs: list[IterationRun] = []  # in flight, oldest first
     started = trained = first_iteration
     budget_hit = False
@@ -469,7 +471,9 @@ def run_iterations(
             started += 1
         if not runs:
             break
-        drive(session, runs, pipeline.poll_s, meter.poll)
+        out = drive(session, runs, pipeline.poll_s, meter.poll)
+        watch.round(clock(), bool(out.results or out.grads))
+        completed = bool(runs and runs[0].done)
         while runs and runs[0].done:
             res = pipeline.result(runs.pop(0))
             trained += 1
@@ -500,6 +504,8 @@ def run_iterations(
             if runs:
                 meter.start(runs[0].iteration)
                 runs[0].allow_training()
+        if completed:  # evaluations and checkpoints are the driver's own time, not a stall
+            watch.restart(clock())
     if bar is not None:
         bar.close()
     return rows

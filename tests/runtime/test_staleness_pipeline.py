@@ -154,3 +154,39 @@ def test_a_run_ended_by_its_time_budget_is_evaluated_after_its_last_iteration(
     if k == 0:  # on-policy: a completion past the budget is the last one
         assert all(r["elapsed_s"] < budget for r in rows[:-1])
         assert len(rows) == iterations or now[0] >= budget
+
+
+def test_a_run_whose_devices_go_quiet_says_so_with_the_schedulers_state_and_finishes():
+    """The session hands nothing back for its first 12 collects while the clock moves 100 s per reading:
+    the driver logs the stall (with the scheduler's items), once per `run.stall_warn_s`, and completes."""
+    tok = build_tokenizer()
+    task = get_task("sort", {"median": 3, "max_size": 6})
+    cfg = PipelineConfig.model_validate(
+        {"task": {"group_size": 2, "prompts_per_iteration": 3}, "run": {"stall_warn_s": 300}})
+
+    class Quiet(TimelineSession):
+        quiet = 12
+
+        def collect(self, wait_s=0.0):
+            if self.quiet:
+                self.quiet -= 1
+                return Collected([], [], [], self.state())
+            return super().collect(wait_s)
+
+        def state(self):
+            return {**super().state(), "items": {"rollout": {"running": 6}}}
+
+    now = [0.0]
+
+    def clock() -> float:
+        now[0] += 100.0
+        return now[0]
+
+    lines: list[str] = []
+    sess = Quiet(task, tok, [], 5)
+    pipe = Pipeline(default_stages(), StageContext(tokenizer=tok, task=task, cfg=cfg), sess,
+                    CountingUpdater([]), poll_s=0.0)
+    rows = run_iterations(pipe, iterations=2, log=lines.append, clock=clock)
+    warned = [ln for ln in lines if ln.startswith("no output from the devices")]
+    assert len(rows) == 2 and 3 <= len(warned) <= 4
+    assert all("scheduler holds rollout: 6 running" in ln for ln in warned)
