@@ -122,6 +122,26 @@ class ItemLedger:
                                 list(item.generated), list(item.logprobs), item.attempts))
         return out
 
+    def redeliver(self, worker: str, ids: Iterable[str]) -> list[str]:
+        """Items delivered to `worker` in a reply it never received: back in its outbox, ahead of the rest,
+        to go out with its next reply (it never ran them, so their tokens are what they were)."""
+        back = [i for i in ids if (it := self.items.get(i)) is not None and it.worker == worker
+                and it.state is ItemState.RUNNING]
+        for item_id in back:
+            self.items[item_id].state = ItemState.ASSIGNED
+        if back:
+            self.outbox[worker] = [*back, *self.outbox.get(worker, [])]
+        return back
+
+    def reabort(self, worker: str, ids: Iterable[str]) -> None:
+        """Aborts sent to `worker` in a reply it never received: asked again where the item still runs."""
+        for item_id in ids:
+            item = self.items.get(item_id)
+            if item is not None and item.worker == worker and item.state is ItemState.RUNNING:
+                queue = self.aborts.setdefault(worker, [])
+                if item_id not in queue:
+                    queue.append(item_id)
+
     def take_aborts(self, worker: str) -> list[str]:
         return self.aborts.pop(worker, [])
 

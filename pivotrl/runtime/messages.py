@@ -337,6 +337,7 @@ class SyncReport(Wire):
     steps: list[StepSample] = field(default_factory=list)
     flushed: GradResult | None = None
     shift_done: ShiftDone | None = None
+    acked: int = 0  # `seq` of the last reply this host received: the ones after it were lost in transit
 
     def merge_back(self, later: SyncReport) -> None:
         """Put this (unsent) report's contents in front of `later`'s: nothing is lost when a sync fails."""
@@ -358,5 +359,6 @@ class SyncReply(Wire):
     shift: ShiftCommand | None = None
     flush: bool = False
     unknown: bool = False
+    seq: int = 0  # this worker's reply number, acknowledged by the host's next report (`SyncReport.acked`)
 
 

@@ -58,6 +58,9 @@ class WorkerInfo:
     shifting_s: float = 0.0
     shift_since: float | None = None
     sync_s: float = 0.0
+    # replies sent and not yet acknowledged: seq → (item ids delivered, abort ids) in that reply
+    reply_seq: int = 0
+    unacked: dict[int, tuple[list[str], list[str]]] = field(default_factory=dict)
 
 
 def slowest(timings: list[ShiftTimings]) -> ShiftTimings:
@@ -280,6 +283,7 @@ class Orchestrator:
             return SyncReply(unknown=True), False
         worker = info.addr
         info.last_sync, info.free, info.sync_s = now, int(report.free), float(report.sync_s)
+        self._acknowledge(info, int(report.acked))
         for prog in report.progress:
             item = self.ledger.progress(worker, prog)
             if item is not None:
@@ -327,13 +331,32 @@ class Orchestrator:
         # A shifting worker is handed no items: it would have to run them in the context it is leaving
         # (they stay in its outbox until it is ready, or go back to waiting if core moves them).
         shifting = info.status == WorkerStatus.SHIFTING
+        info.reply_seq += 1
         reply = SyncReply(
             assign=[] if shifting else self.ledger.deliver(worker),
             abort=self.ledger.take_aborts(worker),
             shift=info.shift if shifting else None,
             flush=info.flush,
+            seq=info.reply_seq,
         )
+        if reply.assign or reply.abort:
+            info.unacked[info.reply_seq] = ([i.id for i in reply.assign], list(reply.abort))
         return reply, drained
+
+    def _acknowledge(self, info: WorkerInfo, acked: int) -> None:
+        """A host syncs once its last reply arrived or its wait for it failed, so the replies after the one
+        it acknowledges never reached it: their items go out again, their aborts are asked again (a shift
+        or a flush is re-sent anyway while it is pending). Without this, an item in a reply lost in transit
+        stayed 'running' on a worker that never got it, and the run waited for it for ever."""
+        for seq in sorted(info.unacked):
+            ids, aborts = info.unacked.pop(seq)
+            if seq <= acked:
+                continue
+            back = self.ledger.redeliver(info.addr, ids)
+            self.ledger.reabort(info.addr, aborts)
+            if back:
+                self.log("redeliver", worker=info.addr, name=info.name, items=len(back), reply=seq,
+                         stimulus=f"lost-reply:{info.addr}:{seq}")
 
     # ==================================================================================================
     # The driver's side

@@ -163,6 +163,7 @@ class RoleHost:
         self.ctx: RoleContext | None = None
         self.role: str | None = None
         self.stop = threading.Event()
+        self._acked = 0  # `seq` of the last reply received (`SyncReport.acked`)
         self._out = self._new_report()
         self._reported: dict[str, int] = {}  # item → tokens already reported as progress
         self._pending: list[WorkItem] = []  # delivered, waiting for a slot or for their weights version
@@ -175,7 +176,7 @@ class RoleHost:
         self._stepped_at: float | None = None
 
     def _new_report(self) -> SyncReport:
-        return SyncReport(worker=self.worker, session=self.session)
+        return SyncReport(worker=self.worker, session=self.session, acked=self._acked)
 
     # -- talking to the scheduler ---------------------------------------------------------------------
     def _send(self) -> tuple[Future[SyncReply], SyncReport]:
@@ -188,7 +189,10 @@ class RoleHost:
     def _wait(self, fut: Future[SyncReply], out: SyncReport) -> SyncReply:
         t0 = time.perf_counter()
         try:
-            return fut.result(timeout=self.sync_timeout_s)
+            reply = fut.result(timeout=self.sync_timeout_s)
+            if reply.seq:
+                self._acked = self._out.acked = reply.seq  # the report filled now goes out next
+            return reply
         except Exception:
             out.merge_back(self._out)  # keep what we had so nothing is lost; it goes with the next sync
             raise

@@ -80,6 +80,22 @@ def test_a_later_abort_drops_the_target_an_earlier_dispatch_gave_an_item_in_flig
     led.check()
 
 
+def test_items_of_a_lost_reply_go_out_again_first_and_their_aborts_are_asked_again() -> None:
+    led = ItemLedger()
+    for i in "abc":
+        led.add(req(i))
+        led.assign(i, "w0")
+    lost = [w.id for w in led.deliver("w0")]
+    led.add(req("d"))
+    led.assign("d", "w0")  # a newer assignment, not yet delivered
+    led.finished("w0", ItemResult("b", [1]))  # b did reach the worker (an earlier reply's, say)
+    assert led.redeliver("w0", lost) == ["a", "c"]  # b is done: nothing to send again
+    assert [w.id for w in led.deliver("w0")] == ["a", "c", "d"]
+    led.reabort("w0", ["a", "b", "zz"])  # only what still runs there
+    assert led.take_aborts("w0") == ["a"]
+    led.check()
+
+
 def test_train_items_are_done_only_when_their_sum_is_flushed() -> None:
     led = ItemLedger()
     for i in range(3):

@@ -430,3 +430,53 @@ def test_items_that_come_with_a_shift_are_handed_back_with_their_tokens() -> Non
     back = [p for r in sent for p in r.aborted]
     assert [(p.id, p.generated, p.logprobs) for p in back] == [("a", [7, 8], [-0.1, -0.2])]
     assert host.role == "reward" and host.ctx is not None and not host._pending
+
+
+class _LossyRuntime(InProcessRuntime):
+    """Replies lost in transit: the orchestrator handles the sync, then the host's wait fails."""
+
+    def __init__(self, *args, loss: float, seed: int, **kw) -> None:
+        import random
+
+        self.loss, self.rng, self.lost = loss, random.Random(seed), 0
+        super().__init__(*args, **kw)
+
+    def _send(self, report):
+        from concurrent.futures import Future
+
+        fut = super()._send(report)
+        with self.lock:
+            drop = self.rng.random() < self.loss
+            self.lost += drop
+        if not drop:
+            return fut
+        failed: Future = Future()
+        failed.set_exception(ConnectionError("reply lost in transit"))
+        return failed
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_items_in_replies_lost_in_transit_are_delivered_again(seed: int) -> None:
+    """One reply in ten is lost after the scheduler handled its sync (items delivered, aborts taken) while
+    judge items run and devices shift: every item still finishes once, with every token, because a host's
+    next report says which reply it last received and the scheduler sends again what came after."""
+    import random
+
+    rng = random.Random(seed)
+    rt = _LossyRuntime(controller(["reward", "reward", "rollout"]), specs(step_s=0.001, parkable=True),
+                       n_workers=3, progress_every_s=0.005, loss=0.1, seed=seed)
+    try:
+        rt.wait_ready()
+        reqs = [WorkRequest(f"j{i}", "reward", {"target_len": n}, max_new_tokens=n)
+                for i, n in enumerate(rng.randint(5, 40) for _ in range(60))]
+        rt.submit(reqs)
+        for _ in range(6):
+            time.sleep(0.05)
+            rt.call("request_shift", f"w{rng.randrange(3)}", rng.choice(["reward", "rollout"]), rt.now())
+        rt.call("request_shift", "w0", "reward", rt.now())
+        got = wait(rt, {r.id for r in reqs}, timeout_s=60.0)
+        for r in reqs:
+            assert got[r.id].generated == [token(r.id, j) for j in range(r.payload["target_len"])]
+        assert rt.lost > 0
+    finally:
+        rt.close()
