@@ -59,7 +59,6 @@ class WorkerInfo:
     shift_since: float | None = None
     sync_s: float = 0.0
     # replies sent and not yet acknowledged: seq → (item ids delivered, abort ids) in that reply
-    reply_seq: int = 0
     unacked: dict[int, tuple[list[str], list[str]]] = field(default_factory=dict)
 
 
@@ -88,6 +87,9 @@ class Orchestrator:
         self._last_sample = -1e9
         self._events_sent = 0
         self._shift_ids = itertools.count()
+        # reply numbers, one sequence for all workers: a worker that joins again (a new `WorkerInfo`, the
+        # same host) never sees a number it acknowledged before
+        self._reply_ids = itertools.count(1)
         self._log_sink = log
         self.now = 0.0
 
@@ -331,16 +333,16 @@ class Orchestrator:
         # A shifting worker is handed no items: it would have to run them in the context it is leaving
         # (they stay in its outbox until it is ready, or go back to waiting if core moves them).
         shifting = info.status == WorkerStatus.SHIFTING
-        info.reply_seq += 1
+        seq = next(self._reply_ids)
         reply = SyncReply(
             assign=[] if shifting else self.ledger.deliver(worker),
             abort=self.ledger.take_aborts(worker),
             shift=info.shift if shifting else None,
             flush=info.flush,
-            seq=info.reply_seq,
+            seq=seq,
         )
         if reply.assign or reply.abort:
-            info.unacked[info.reply_seq] = ([i.id for i in reply.assign], list(reply.abort))
+            info.unacked[seq] = ([i.id for i in reply.assign], list(reply.abort))
         return reply, drained
 
     def _acknowledge(self, info: WorkerInfo, acked: int) -> None:

@@ -480,3 +480,33 @@ def test_items_in_replies_lost_in_transit_are_delivered_again(seed: int) -> None
         assert rt.lost > 0
     finally:
         rt.close()
+
+
+def test_reply_numbers_are_one_sequence_and_an_unacknowledged_reply_is_sent_again() -> None:
+    """Reply numbers are one sequence for all workers (a host whose worker was lost and joined again
+    cannot acknowledge a new reply by an old number), and a reply the next report does not acknowledge
+    is sent again, once."""
+    from pivotrl.runtime.messages import ShiftDone, SyncReport
+    from pivotrl.runtime.orchestrator import Orchestrator
+
+    orch = Orchestrator(controller(["reward", "reward"]), specs())
+    seqs = []
+    for w in ("w0", "w1"):
+        orch.join(w, w[1], 0.0)
+    orch.tick(0.0)
+    firsts = {w: orch.sync(SyncReport(worker=w), 0.01)[0] for w in ("w0", "w1")}
+    seqs += [r.seq for r in firsts.values()]
+    for w, first in firsts.items():
+        done = ShiftDone(first.shift.id, "reward", None, ShiftTimings())
+        seqs.append(orch.sync(SyncReport(worker=w, free=8, shift_done=done, acked=first.seq), 0.02)[0].seq)
+    assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
+    acked = seqs[-1]
+    orch.submit([WorkRequest("a", "reward", {"target_len": 3}, max_new_tokens=3)], 0.1)
+    sent = {w: orch.sync(SyncReport(worker=w, free=8, acked=seqs[2 + k]), 0.2)[0]
+            for k, w in enumerate(("w0", "w1"))}
+    owner = next(w for w, r in sent.items() if r.assign)
+    assert [i.id for i in sent[owner].assign] == ["a"]
+    again, _ = orch.sync(SyncReport(worker=owner, free=8, acked=acked if owner == "w1" else seqs[2]), 0.3)
+    assert [i.id for i in again.assign] == ["a"]  # the reply that carried it was never acknowledged
+    after, _ = orch.sync(SyncReport(worker=owner, free=8, acked=again.seq), 0.4)
+    assert after.assign == []
