@@ -359,6 +359,6 @@ class SyncReply(Wire):
     shift: ShiftCommand | None = None
     flush: bool = False
     unknown: bool = False
-    seq: int = 0  # this worker's reply number, acknowledged by the host's next report (`SyncReport.acked`)
+    seq: int = 0  # the reply's number (one sequence for all workers), acknowledged by `SyncReport.acked`
 
 
