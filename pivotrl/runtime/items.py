@@ -138,9 +138,7 @@ class ItemLedger:
         for item_id in ids:
             item = self.items.get(item_id)
             if item is not None and item.worker == worker and item.state is ItemState.RUNNING:
-                queue = self.aborts.setdefault(worker, [])
-                if item_id not in queue:
-                    queue.append(item_id)
+                self._queue_abort(item)
 
     def take_aborts(self, worker: str) -> list[str]:
         return self.aborts.pop(worker, [])
@@ -163,10 +161,15 @@ class ItemLedger:
             self._requeue(item)
             return item
         if item.state is ItemState.RUNNING:
-            queue = self.aborts.setdefault(item.worker, [])
-            if item_id not in queue:
-                queue.append(item_id)
+            self._queue_abort(item)
         return None
+
+    def _queue_abort(self, item: Item) -> None:
+        """Ask the worker a running item is on to abort it (once)."""
+        assert item.worker is not None
+        queue = self.aborts.setdefault(item.worker, [])
+        if item.id not in queue:
+            queue.append(item.id)
 
     def aborted(self, worker: str, partial: Partial) -> Item | None:
         """A worker handed an item back with its partial tokens: WAITING again (or straight to the worker it
