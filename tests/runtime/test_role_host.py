@@ -399,20 +399,27 @@ def test_every_item_finishes_once_under_a_storm_of_shifts(seed: int) -> None:
     rng = random.Random(seed)
     rt = InProcessRuntime(controller(["reward", "reward", "rollout"]), specs(step_s=0.001, parkable=True),
                           n_workers=3, progress_every_s=0.005)
+    _judge_storm(rt, rng, items=120, longest=80, shifts=40, roles=["reward", "rollout", "train"],
+                 pause=lambda: rng.choice([0.0005, 0.002, 0.005]), timeout_s=30.0)
+
+
+def _judge_storm(rt: InProcessRuntime, rng, *, items: int, longest: int, shifts: int, roles: list[str],
+                 pause, timeout_s: float) -> None:
+    """Judge items of random lengths (5..`longest` tokens) while `shifts` operator shifts move random
+    workers to random `roles`, `pause()` seconds apart; then w0 serves the judge role again. Every item
+    must finish once with every token. Closes `rt`."""
     try:
         rt.wait_ready()
         reqs = [WorkRequest(f"j{i}", "reward", {"target_len": n}, max_new_tokens=n)
-                for i, n in enumerate(rng.randint(5, 80) for _ in range(120))]
+                for i, n in enumerate(rng.randint(5, longest) for _ in range(items))]
         rt.submit(reqs)
-        for _ in range(40):
-            time.sleep(rng.choice([0.0005, 0.002, 0.005]))
-            rt.call("request_shift", f"w{rng.randrange(3)}", rng.choice(["reward", "rollout", "train"]),
-                    rt.now())
+        for _ in range(shifts):
+            time.sleep(pause())
+            rt.call("request_shift", f"w{rng.randrange(3)}", rng.choice(roles), rt.now())
         rt.call("request_shift", "w0", "reward", rt.now())  # the judge role keeps a replica
-        got = wait(rt, {r.id for r in reqs}, timeout_s=30.0)
+        got = wait(rt, {r.id for r in reqs}, timeout_s=timeout_s)
         for r in reqs:
-            n = r.payload["target_len"]
-            assert got[r.id].generated == [token(r.id, j) for j in range(n)]
+            assert got[r.id].generated == [token(r.id, j) for j in range(r.payload["target_len"])]
     finally:
         rt.close()
 
@@ -465,21 +472,9 @@ def test_items_in_replies_lost_in_transit_are_delivered_again(seed: int) -> None
     rng = random.Random(seed)
     rt = _LossyRuntime(controller(["reward", "reward", "rollout"]), specs(step_s=0.001, parkable=True),
                        n_workers=3, progress_every_s=0.005, loss=0.1, seed=seed)
-    try:
-        rt.wait_ready()
-        reqs = [WorkRequest(f"j{i}", "reward", {"target_len": n}, max_new_tokens=n)
-                for i, n in enumerate(rng.randint(5, 40) for _ in range(60))]
-        rt.submit(reqs)
-        for _ in range(6):
-            time.sleep(0.05)
-            rt.call("request_shift", f"w{rng.randrange(3)}", rng.choice(["reward", "rollout"]), rt.now())
-        rt.call("request_shift", "w0", "reward", rt.now())
-        got = wait(rt, {r.id for r in reqs}, timeout_s=60.0)
-        for r in reqs:
-            assert got[r.id].generated == [token(r.id, j) for j in range(r.payload["target_len"])]
-        assert rt.lost > 0
-    finally:
-        rt.close()
+    _judge_storm(rt, rng, items=60, longest=40, shifts=6, roles=["reward", "rollout"], pause=lambda: 0.05,
+                 timeout_s=60.0)
+    assert rt.lost > 0
 
 
 def test_reply_numbers_are_one_sequence_and_an_unacknowledged_reply_is_sent_again() -> None:
