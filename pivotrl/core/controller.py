@@ -134,18 +134,21 @@ class Controller:
         return seq
 
     def on_step(self, replica_id: str, concurrency: int, step_time_s: float, now: float,
-                tokens: float | None = None, prefill_tokens: int = 0) -> None:
+                tokens: float | None = None, prefill_tokens: int = 0,
+                context_tokens: float | None = None) -> None:
         """One engine step took `step_time_s` with `concurrency` sequences (`tokens` work, default one per
-        sequence), `prefill_tokens` of them newcomers' prompts. Feeds the replica's and its role's
-        throughput fit: a pure decode step its line, a step that prefilled its prefill rate."""
+        sequence), `prefill_tokens` of them newcomers' prompts, `context_tokens` of context held by its rows
+        (where the engine knows it). Feeds the replica's and its role's throughput fit: a pure decode step
+        its line, a step that prefilled its prefill rate (where the role prices context, at the line's
+        reference context: `ThroughputModel`)."""
         rep = self.state.replicas.get(replica_id)
         if rep is None:
             return
         for m in (rep.model, self.state.role_models[rep.role]):
             if prefill_tokens > 0:
-                m.observe_prefill(concurrency, step_time_s, prefill_tokens, tokens)
+                m.observe_prefill(concurrency, step_time_s, prefill_tokens, tokens, context_tokens)
             else:
-                m.observe(concurrency, step_time_s, tokens)
+                m.observe(concurrency, step_time_s, tokens, context_tokens)
 
     def on_shift_done(self, replica_id: str, now: float, timings: ShiftTimings | None = None) -> Decision:
         """Replica `replica_id` finished loading its role; it becomes active and gets work (shift-up

@@ -182,13 +182,24 @@ class Stage:
         return np.where(per > conc, np.maximum(fluid, renewal), fluid)
 
     @cached_property
-    def _cv2(self) -> float:
-        """The squared coefficient of variation of the length profile (from the integrals of
-        `longer_than`: E[length] and E[length²])."""
+    def _moments(self) -> tuple[float, float]:
+        """E[length] and E[length²] of the length profile (integrals of `longer_than`)."""
         x = np.linspace(0.0, self.longest, 257)
         p = self.longer_than(x)
-        first, second = float(np.trapezoid(p, x)), float(np.trapezoid(2.0 * x * p, x))
+        return float(np.trapezoid(p, x)), float(np.trapezoid(2.0 * x * p, x))
+
+    @cached_property
+    def _cv2(self) -> float:
+        """The squared coefficient of variation of the length profile."""
+        first, second = self._moments
         return second / max(first * first, 1e-12) - 1.0
+
+    def mean_position(self) -> float:
+        """Tokens an item has generated before a decoded token, averaged over all decoded tokens:
+        E[L(L − 1)] / (2 E[L]). A long item decodes more of the tokens, so this is past half the mean
+        length by cv² / 2 of it; the batch's context per row, less its prompt."""
+        first, second = self._moments
+        return max(0.0, 0.5 * (second / max(first, 1e-12) - 1.0))
 
     def run_s(self, start: np.ndarray, length: float | np.ndarray, drain: np.ndarray, per: np.ndarray,
               conc: np.ndarray) -> np.ndarray:

@@ -52,7 +52,7 @@ class ClusterState:
             spec = config.spec(r)
             self.role_models[r] = ThroughputModel(
                 spec.prior_step_a_s, spec.prior_step_b_s, spec.tokens_per_seq_step, config.decay,
-                config.prior_weight)
+                config.prior_weight, spec.step_context_s, spec.context_ref_tokens)
         self._order = 0
         self._replica_counter = 0
         # Iteration structure, for the work each role will still receive from upstream.

@@ -5,6 +5,13 @@ that grows with the tokens in the batch (KV reads, activations); so tokens/s ris
 saturates at 1/b. That concavity is what makes "give the next sequence to the replica with the largest
 marginal gain" meaningful. Train steps follow the same shape in tokens per micro-batch.
 
+Context. A decode step also reads every cached token of its rows, so it slows as they grow: a + b·x +
+c·context. Where the role knows c (`RoleSpec.step_context_s`) and the engine reports a step's context, the
+sample is first moved to the line's reference context per row (`context_ref`), so the line holds at that
+context whatever mix of short and long rows the samples came from. Its readers move it to the context
+they price: the planner to the rows running now (`pivotrl.core.views`), the iteration model to the
+context its lengths give (`pivotrl.core.iteration.at_context`).
+
 The fit is recency-weighted least squares over (x, step_time) samples. Before any data it is the prior line;
 while the samples show too little spread in x to see a slope (an engine that always runs full), it keeps the
 prior's shape scaled to match the measured step time, so it is never degenerate.
@@ -28,6 +35,8 @@ class ThroughputModel:
     tokens_per_seq_step: float = 1.0
     decay: float = 0.95
     prior_weight: float = 2.0
+    context_s: float = 0.0  # seconds per step per context token of the rows (0: context not priced)
+    context_ref: float = 0.0  # context per row the fitted line holds at
     # Recency-weighted sufficient statistics of the measured samples (sum of w, w·x, w·x², w·t, w·x·t).
     _s: list[float] = field(default_factory=lambda: [0.0] * 5)
     _kx: list[float] = field(default_factory=lambda: [0.0, 0.0])  # weighted (x, n) for tokens per seq
@@ -43,13 +52,19 @@ class ThroughputModel:
         self._refit()
 
     # -- learning ---------------------------------------------------------------------------------------
-    def observe(self, concurrency: int, step_time_s: float, tokens: float | None = None) -> None:
-        """Record one engine step: `concurrency` sequences, `tokens` work (defaults to one per sequence)."""
+    def observe(self, concurrency: int, step_time_s: float, tokens: float | None = None,
+                context: float | None = None) -> None:
+        """Record one engine step: `concurrency` sequences, `tokens` work (defaults to one per sequence),
+        `context` tokens held by its rows (None: not reported)."""
         if concurrency <= 0 or not step_time_s > 0.0:
             return
         x = float(tokens) if tokens is not None else concurrency * self.tokens_per_seq_step
         if x <= 0:
             return
+        moved = self._at_reference(concurrency, step_time_s, context)
+        if moved is None:
+            return
+        step_time_s = moved
         d = self.decay
         s = self._s
         for i in range(5):
@@ -64,8 +79,17 @@ class ThroughputModel:
         self.samples += 1
         self._refit()
 
+    def _at_reference(self, concurrency: int, step_time_s: float, context: float | None) -> float | None:
+        """The step time moved to the reference context; unchanged where context is not priced or not
+        reported. None where the move leaves nothing of the step: a context that says the step should have
+        cost more than it took is no sample of the line."""
+        if self.context_s <= 0.0 or context is None or context < 0.0:
+            return step_time_s
+        moved = step_time_s - self.context_s * (float(context) - concurrency * self.context_ref)
+        return moved if moved > 0.0 else None
+
     def observe_prefill(self, concurrency: int, step_time_s: float, prefill_tokens: float,
-                        tokens: float | None = None) -> None:
+                        tokens: float | None = None, context: float | None = None) -> None:
         """Record a step that also prefilled `prefill_tokens` of newcomers' prompts. Its time beyond the line
         (the decode of its `concurrency` rows) is the prefill's; the line itself learns from pure decode
         steps only. A batch admitted at once prefills thousands of tokens in one step, which a line over
@@ -73,7 +97,10 @@ class ThroughputModel:
         if prefill_tokens <= 0 or not step_time_s > 0.0:
             return
         x = float(tokens) if tokens is not None else concurrency * self.tokens_per_seq_step
-        beyond = max(0.0, step_time_s - (self.a + self.b * x))
+        moved = self._at_reference(concurrency, step_time_s, context)
+        if moved is None:
+            return
+        beyond = max(0.0, moved - (self.a + self.b * x))
         d = self.decay
         self._pf[0] = self._pf[0] * d + beyond
         self._pf[1] = self._pf[1] * d + float(prefill_tokens)
@@ -127,11 +154,17 @@ class ThroughputModel:
 
     def spawn(self) -> ThroughputModel:
         """A model for a new replica: starts from this (role-shared) fit, then learns on its own."""
-        return ThroughputModel(self.a, self.b, self.tokens_per_seq_step, self.decay, self.prior_weight)
+        return ThroughputModel(self.a, self.b, self.tokens_per_seq_step, self.decay, self.prior_weight,
+                               self.context_s, self.context_ref)
 
     # -- prediction -------------------------------------------------------------------------------------
     def step_time(self, n: float) -> float:
         return self.a + self.b * n * self.tokens_per_seq_step
+
+    def b_at(self, context_per_row: float) -> float:
+        """The line's slope at `context_per_row` tokens of context per row instead of the reference."""
+        extra = self.context_s * (context_per_row - self.context_ref) / max(self.tokens_per_seq_step, 1e-12)
+        return max(self.b + extra, _MIN_B)
 
     def rate(self, n: float) -> float:
         """Tokens/s with `n` sequences running (0 when idle)."""

@@ -135,6 +135,12 @@ class RoleSpec:
     `whole_batches`: the role's replicas run their items in whole micro-batches, and an item given to a
     replica whose batch is in flight waits for that batch to end (no continuous batching). Such a replica
     is given work only when idle, and then only its share of the queue (`pivotrl.core.dispatcher`).
+    `step_context_s` (generation): seconds a decode step spends per token of context its running rows hold
+    (attention reads every cached token), so a batch of long sequences steps slower than one of short ones
+    with as many rows. The step line holds at `context_ref_tokens` of context per row: a measured step is
+    moved to that context before the line learns from it (`Controller.on_step`), and the iteration model
+    prices each iteration's batch at the context its own lengths give (`pivotrl.core.iteration.stages`).
+    0 (the default): the line alone, whatever the context.
     `dp_efficiency_per_doubling` (train): data-parallel replicas slow each other down (their gradient
     collectives), each doubling of the role's replicas keeping this fraction of a replica's speed; 1.0 is
     perfect scaling. The step-time prior is one replica's line; a fitted line holds at the replica count it
@@ -152,8 +158,13 @@ class RoleSpec:
     sync_shared_s: float = 0.0
     whole_batches: bool = False
     dp_efficiency_per_doubling: float = 1.0
+    step_context_s: float = 0.0
+    context_ref_tokens: float = 0.0
 
     def __post_init__(self) -> None:
+        if self.step_context_s < 0.0 or self.context_ref_tokens < 0.0:
+            raise ValueError("step_context_s and context_ref_tokens must be >= 0, got "
+                             f"{self.step_context_s} and {self.context_ref_tokens}")
         if not 0.0 < self.dp_efficiency_per_doubling <= 1.0:
             raise ValueError(
                 f"dp_efficiency_per_doubling must be in (0, 1], got {self.dp_efficiency_per_doubling}")

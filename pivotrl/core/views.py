@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pivotrl.core.state import ClusterState
-from pivotrl.core.types import PIPELINE, ReplicaState, Role
+from pivotrl.core.types import PIPELINE, Replica, ReplicaState, Role
 
 
 @dataclass(frozen=True)
@@ -87,6 +87,15 @@ class RoleView:
         return total * -np.expm1(-thr * self.horizon / total) * self.weight
 
 
+def rate_now(rep: Replica) -> float:
+    """Tokens/s of a replica with its running rows, at the context they hold (`ThroughputModel.b_at`)."""
+    if rep.n <= 0:
+        return 0.0
+    m = rep.model
+    x = rep.n * m.tokens_per_seq_step
+    return x / (m.a + m.b_at(rep.context / rep.n) * x)
+
+
 def role_views(state: ClusterState, horizon: float, now: float = 0.0) -> dict[Role, RoleView]:
     cfg = state.config
     base: dict[Role, dict] = {}
@@ -94,10 +103,14 @@ def role_views(state: ClusterState, horizon: float, now: float = 0.0) -> dict[Ro
         spec = cfg.spec(role)
         model = state.role_models[role]
         reps = state.by_role[role]
-        rate = 0.0
+        rate = rows = context = 0.0
         for rep in reps.values():
             if rep.state is ReplicaState.ACTIVE and rep.running:
-                rate += rep.model.rate(rep.n)
+                rate += rate_now(rep)
+                rows += rep.n
+                context += rep.context
+        # the role's line at the context its rows hold now (a stage's tail of long rows steps slower)
+        b = model.b if rows <= 0 else model.b_at(context / rows)
         n = state.n_seqs[role]
         mean_kv = state.kv_sum[role] / n if n else 0.0
         cap = float(spec.max_seqs)
@@ -105,7 +118,7 @@ def role_views(state: ClusterState, horizon: float, now: float = 0.0) -> dict[Ro
             cap = max(1.0, min(cap, math.floor(spec.kv_tokens / mean_kv)))
         peak = model.rate(spec.max_seqs)
         base[role] = dict(role=role, g=spec.devices_per_replica, replicas=len(reps), rate=rate, seqs=float(n),
-                          work=max(state.remaining[role], 0.0), a=model.a, b=model.b,
+                          work=max(state.remaining[role], 0.0), a=model.a, b=b,
                           k=model.tokens_per_seq_step, cap=cap,
                           weight=spec.devices_per_replica / peak if peak > 0 else 0.0, horizon=horizon,
                           donated=state.donated_since(role, now - cfg.cooldown_s))

@@ -12,7 +12,7 @@ from pivotrl.core import Controller, ControllerConfig, IterationPlan, Role, Role
 from pivotrl.core.stage import TAIL_FRACTIONS
 from pivotrl.sim.config import SimConfig
 from pivotrl.sim.costs import barrier_time, shift_time
-from pivotrl.sim.workload import length_profile, mean_length
+from pivotrl.sim.workload import length_profile, mean_length, mean_position
 
 
 def expected(cfg: SimConfig) -> dict[str, float]:
@@ -25,8 +25,9 @@ def expected(cfg: SimConfig) -> dict[str, float]:
 
 def controller_config(cfg: SimConfig) -> ControllerConfig:
     c, e = cfg.cost, expected(cfg)
-    roll_ctx = e["prompt"] + 0.5 * e["response"]
-    rew_ctx = e["judge_prompt"] + 0.5 * e["critique"]
+    # a decoded token's mean context: its prompt and the tokens generated before it (`mean_position`)
+    roll_ctx = e["prompt"] + mean_position(cfg.workload.response_len)
+    rew_ctx = e["judge_prompt"] + mean_position(cfg.workload.critique_len)
     # The barrier as core's prior knows it, fixed + shared / m: what a runtime knows from its model size and
     # optimizer layout. Exact for the sharded and the driver-owned barrier from m = 2 on (`barrier_time`).
     b2, b4 = barrier_time(cfg, 2), barrier_time(cfg, 4)
@@ -37,12 +38,14 @@ def controller_config(cfg: SimConfig) -> ControllerConfig:
             devices_per_replica=c.rollout.devices_per_replica, max_seqs=c.rollout.max_batch,
             kv_tokens=c.rollout.kv_tokens, prior_step_a_s=c.rollout.decode.a_s,
             prior_step_b_s=c.rollout.decode.b_s + c.rollout.decode.c_s * roll_ctx,
-            tokens_per_seq_step=1.0, prefill_tokens_per_s=c.rollout.prefill_tokens_per_s),
+            tokens_per_seq_step=1.0, prefill_tokens_per_s=c.rollout.prefill_tokens_per_s,
+            step_context_s=c.rollout.decode.c_s, context_ref_tokens=roll_ctx),
         Role.REWARD: RoleSpec(
             devices_per_replica=c.reward.devices_per_replica, max_seqs=c.reward.max_batch,
             kv_tokens=c.reward.kv_tokens, prior_step_a_s=c.reward.decode.a_s,
             prior_step_b_s=c.reward.decode.b_s + c.reward.decode.c_s * rew_ctx,
-            tokens_per_seq_step=1.0, prefill_tokens_per_s=c.reward.prefill_tokens_per_s),
+            tokens_per_seq_step=1.0, prefill_tokens_per_s=c.reward.prefill_tokens_per_s,
+            step_context_s=c.reward.decode.c_s, context_ref_tokens=rew_ctx),
         Role.TRAIN: RoleSpec(
             devices_per_replica=c.train.devices_per_replica, max_seqs=c.train.micro_batch_seqs,
             kv_tokens=1 << 40, prior_step_a_s=1e-3,

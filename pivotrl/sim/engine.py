@@ -403,7 +403,9 @@ class Simulator:
             rep.advance(self.now)
             conc = rep.load
             done = rep.pop_finished()
-            self.ctl.on_step(rep.replica_id, conc, step_time(rep.cost, conc, rep.context_tokens()), self.now)
+            ctx = rep.context_tokens()
+            self.ctl.on_step(rep.replica_id, conc, step_time(rep.cost, conc, ctx), self.now,
+                             context_tokens=ctx)
             for r in done:
                 follow += self._finished(rep, r.item_id, r.target)
         else:

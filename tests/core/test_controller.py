@@ -3,6 +3,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pivotrl.core import Controller, IterationPlan, Role, RoleSpec, Sequence, ShiftTimings
 from pivotrl.core.types import ReplicaState, SeqState
@@ -84,6 +86,43 @@ def test_on_step_feeds_replica_and_role_fit_and_new_replicas_inherit() -> None:
     for m in (rep.model, ctl.state.role_models[Role.ROLLOUT]):
         assert m.prefill_tokens_per_s == pytest.approx(10_000, rel=1e-2)
     assert ctl.snapshot()["step_fits"]["rollout"]["prefill_tokens_per_s"] == pytest.approx(10_000, rel=1e-2)
+
+
+@given(a=st.floats(1e-4, 0.05), b=st.floats(1e-6, 1e-3), c=st.floats(1e-9, 1e-6), ref=st.floats(0.0, 8000.0),
+       rows=st.lists(st.tuples(st.integers(1, 256), st.floats(1.0, 8000.0)), min_size=8, max_size=40))
+@settings(max_examples=40, deadline=None)
+def test_a_step_is_moved_to_the_lines_reference_context(a: float, b: float, c: float, ref: float,
+                                                        rows: list[tuple[int, float]]) -> None:
+    """Steps that cost a + b·rows + c·context, each at its own context per row: the fitted line is
+    a + (b + c·ref)·rows, the step at the reference context, whatever context each step held (fitted on
+    the raw times, a tail of few long rows would tilt it), and `b_at` moves it to any other context."""
+    spec = RoleSpec(max_seqs=256, kv_tokens=1 << 30, prior_step_a_s=0.02, prior_step_b_s=2e-4,
+                    step_context_s=c, context_ref_tokens=ref)
+    roles = {Role.ROLLOUT: spec, Role.REWARD: RoleSpec(), Role.TRAIN: RoleSpec(tokens_per_seq_step=100)}
+    ctl = Controller("shiftable", devices=["a"], config=config(cooldown_s=0.0, roles=roles))
+    ctl.policy.initial_split = {Role.ROLLOUT: 1}
+    ctl.tick(0.0)
+    ready(ctl, 0.0)
+    rep = ctl.replicas(Role.ROLLOUT)[0]
+    if len({n for n, _ in rows}) < 2:
+        rows = [*rows, (rows[0][0] % 256 + 1, rows[0][1])]
+    for n, per_row in rows:
+        ctl.on_step(rep.replica_id, n, a + b * n + c * n * per_row, 1.0, context_tokens=n * per_row)
+    for m in (rep.model, ctl.state.role_models[Role.ROLLOUT]):
+        for n in (1, 64, 256):
+            assert m.step_time(n) == pytest.approx(a + (b + c * ref) * n, rel=1e-6)
+            assert m.a + m.b_at(1234.0) * n == pytest.approx(a + (b + c * 1234.0) * n, rel=1e-6)
+
+
+def test_a_role_that_prices_no_context_fits_the_raw_step() -> None:
+    ctl = Controller("shiftable", devices=["a"], config=config(cooldown_s=0.0))
+    ctl.policy.initial_split = {Role.ROLLOUT: 1}
+    ctl.tick(0.0)
+    ready(ctl, 0.0)
+    rep = ctl.replicas(Role.ROLLOUT)[0]
+    for n in [1, 2, 4, 8] * 5:
+        ctl.on_step(rep.replica_id, n, 0.1 + 0.01 * n, 1.0, context_tokens=1e6)
+    assert rep.model.b == pytest.approx(0.01, rel=1e-3) and rep.model.a == pytest.approx(0.1, rel=1e-3)
 
 
 def test_submit_validation() -> None:

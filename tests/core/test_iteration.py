@@ -141,6 +141,45 @@ def test_stages_take_the_measured_profile_over_the_priors() -> None:
 
 
 @FEW
+@given(median=st.floats(20, 3000), sigma=st.floats(0.0, 1.5), n=st.integers(200, 6000),
+       seed=st.integers(0, 99))
+def test_a_decoded_tokens_mean_position_follows_the_length_profile(median: float, sigma: float, n: int,
+                                                                   seed: int) -> None:
+    """`Stage.mean_position` read off the profile's tail points is E[L(L − 1)] / (2 E[L]) of the lengths the
+    profile came from, within the profile's own resolution, and never below half the mean length less one
+    token's worth of the profile's error: long items decode more of the tokens."""
+    x = np.clip(np.rint(median * np.exp(sigma * np.random.default_rng(seed).standard_normal(n))), 1, 16384)
+    stg = Stage(Role.ROLLOUT, 1, float(n), float(x.mean()), float(x.max()), 0.01, 1e-4, 1.0, 256.0, 1.0, True,
+                tail=tail_lengths(x))
+    truth = float((x * (x - 1.0)).mean() / (2.0 * x.mean()))
+    assert stg.mean_position() == pytest.approx(truth, rel=0.1, abs=1.0)
+    assert stg.mean_position() >= 0.45 * x.mean() - 1.0
+
+
+def test_the_iteration_model_prices_the_batch_at_its_own_context() -> None:
+    """A role that prices context: its stage's per-token step moves from the line's reference context to
+    the prompt plus the mean position of the iteration's lengths; one that does not keeps the line."""
+    plain = _state()
+    costs = ShiftCostModel(prior_s=2.0)
+    base = stages(plain, costs, None)
+    c, ref = 2e-8, 300.0
+    roles = dict(plain.config.roles)
+    roles[Role.ROLLOUT] = dataclasses.replace(roles[Role.ROLLOUT], step_context_s=c, context_ref_tokens=ref)
+    priced = ClusterState(dataclasses.replace(plain.config, roles=roles))
+    for d in plain.device_role:
+        priced.add_device(d, 0.0)
+    priced.plan = dataclasses.replace(plain.plan, rollout_prompt_tokens=50.0)
+    got = stages(priced, costs, None)
+    assert base is not None and got is not None
+    ro = got[Role.ROLLOUT]
+    want = base[Role.ROLLOUT].b + c * (50.0 + ro.mean_position() - ref)
+    assert ro.b == pytest.approx(want, rel=1e-9)
+    assert ro.mean_position() > 0.5 * (ro.mean - 1.0)   # a long prior tail: past half the mean
+    for r in (Role.REWARD, Role.TRAIN):
+        assert got[r].b == base[r].b
+
+
+@FEW
 @given(split=st.tuples(st.integers(0, 8), st.integers(0, 8)), placed=st.lists(
     st.sampled_from((*PIPELINE, None)), min_size=8, max_size=8))
 def test_toward_split_never_exceeds_a_share_and_fills_from_free_devices(

@@ -342,6 +342,28 @@ def test_an_idle_first_stage_replica_leaves_its_cooldown_once_every_rollout_star
     assert donors and all(r.role is Role.ROLLOUT and r.n == 0 for r in donors)
 
 
+def test_the_planner_reads_a_roles_line_at_the_context_its_rows_hold() -> None:
+    """Where a role prices context, its view steps at the context its running rows hold now: a tail of
+    long rows is slower than the line's reference, a fresh batch of short ones faster; a role that prices
+    none keeps its line."""
+    c, ref = 1e-7, 500.0
+    roles = dict(config().roles)
+    roles[Role.ROLLOUT] = replace(roles[Role.ROLLOUT], kv_tokens=1 << 30, step_context_s=c,
+                                  context_ref_tokens=ref)
+    for prompt, per_row in ((10, 10.0), (5000, 5000.0)):
+        stt = active_state(config(roles=roles), {Role.ROLLOUT: 2, Role.REWARD: 1})
+        for i in range(6):
+            stt.admit(seq(f"r{i}", Role.ROLLOUT, prompt=prompt, max_new=100), 0.0)
+        dispatch_all(stt)
+        views = role_views(stt, 10.0)
+        model = stt.role_models[Role.ROLLOUT]
+        assert views[Role.ROLLOUT].b == pytest.approx(model.b + c * (per_row - ref))
+        assert views[Role.REWARD].b == stt.role_models[Role.REWARD].b
+        reps = stt.active(Role.ROLLOUT)
+        at_ref = sum(r.model.rate(r.n) for r in reps)
+        assert (views[Role.ROLLOUT].rate < at_ref) == (per_row > ref)
+
+
 def test_hysteresis_blocks_marginal_shifts() -> None:
     stt = _tail_state()
     loose = plan(stt, ShiftCostModel(prior_s=1.0), 100.0)

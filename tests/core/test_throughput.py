@@ -136,3 +136,23 @@ def test_a_prefill_faster_than_the_line_counts_as_free_not_negative() -> None:
     m.observe_prefill(8, 0.018 + 0.0512, 512)
     # the free prefill's tokens stay in the (decayed) count: their time was nothing
     assert m.prefill_tokens_per_s == pytest.approx((512 * 0.95 + 512) / 0.0512, rel=1e-6)
+
+
+def test_a_step_whose_context_says_it_cost_more_than_it_took_is_no_sample() -> None:
+    """A context report that leaves nothing of the step once moved to the reference context is dropped,
+    for the line and for the prefill rate; one without a context report is fitted as measured."""
+    m = ThroughputModel(0.01, 0.001, context_s=1e-6, context_ref=100.0)
+    m.observe(4, 0.01, context=1e6)
+    m.observe_prefill(4, 0.5, 1000.0, context=1e6)
+    assert m.samples == 0 and m.prefill_tokens_per_s is None
+    m.observe(4, 0.02)
+    assert m.samples == 1
+
+
+@given(c=st.floats(0.0, 1e-5), ref=st.floats(0.0, 1e4), ctx=st.floats(0.0, 1e5), k=st.floats(1.0, 10.0))
+@settings(max_examples=100, deadline=None)
+def test_the_line_moves_to_a_context_by_its_cost(c: float, ref: float, ctx: float, k: float) -> None:
+    m = ThroughputModel(0.01, 0.001, tokens_per_seq_step=k, context_s=c, context_ref=ref)
+    assert m.b_at(ref) == pytest.approx(m.b)
+    assert m.b_at(ctx) == pytest.approx(max(m.b + c * (ctx - ref) / k, 1e-9))
+    assert ThroughputModel(0.01, 0.001).b_at(ctx) == m.b  # a role that prices no context keeps its line
