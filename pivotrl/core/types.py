@@ -138,9 +138,10 @@ class RoleSpec:
     `step_context_s` (generation): seconds a decode step spends per token of context its running rows hold
     (attention reads every cached token), so a batch of long sequences steps slower than one of short ones
     with as many rows. The step line holds at `context_ref_tokens` of context per row: a measured step is
-    moved to that context before the line learns from it (`Controller.on_step`), and the iteration model
-    prices each iteration's batch at the context its own lengths give (`pivotrl.core.iteration.stages`).
-    0 (the default): the line alone, whatever the context.
+    moved to that context before the line learns from it (`ThroughputModel`); the planner reads the line
+    at the context the role's running rows hold (`pivotrl.core.views`), the iteration model at the context
+    each iteration's own lengths give (`pivotrl.core.iteration.at_context`). 0 (the default): the line
+    alone, whatever the context.
     `dp_efficiency_per_doubling` (train): data-parallel replicas slow each other down (their gradient
     collectives), each doubling of the role's replicas keeping this fraction of a replica's speed; 1.0 is
     perfect scaling. The step-time prior is one replica's line; a fitted line holds at the replica count it
