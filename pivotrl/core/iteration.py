@@ -38,7 +38,8 @@ from pivotrl.core.makespan import (
 from pivotrl.core.shiftcost import ShiftCostModel
 from pivotrl.core.stage import TAIL_FRACTIONS, Stage, tail_lengths
 from pivotrl.core.state import ClusterState
-from pivotrl.core.types import PIPELINE, Role, RoleSpec
+from pivotrl.core.throughput import ThroughputModel
+from pivotrl.core.types import PIPELINE, Role
 
 #: Before any iteration is measured, the longest response is assumed this many times the mean (long-tailed
 #: RL lengths: p99 ≈ 10× median, DESIGN §1). After one iteration the measured longest replaces it.
@@ -217,20 +218,18 @@ def stages(
             dp_ref(state, r),
         )
         if spec.step_context_s > 0.0 and out[r].decode:
-            out[r] = at_context(out[r], spec, prompts[r])
+            out[r] = at_context(out[r], model, prompts[r])
     return out
 
 
-def at_context(stage: Stage, spec: RoleSpec, prompt_tokens: float) -> Stage:
-    """`stage` with its step line moved from the reference context per row (`RoleSpec.context_ref_tokens`)
-    to the context its own lengths give: the prompt plus the mean position of a decoded token
+def at_context(stage: Stage, model: ThroughputModel, prompt_tokens: float) -> Stage:
+    """`stage` with its step line (`model`'s, at its reference context per row) moved to the context its
+    own lengths give (`ThroughputModel.b_at`): the prompt plus the mean position of a decoded token
     (`Stage.mean_position`). Where lengths vary, a decoded token's context is its item's prompt plus far
     more than half the mean length (long items decode most of the tokens), so a line held at half the
     mean prices a long-tailed rollout stage fast: random draw 36 (lognormal, σ 0.91) ended its rollouts at
     70 s in the model against 79 s in the simulator, and the model ranked the splits the other way."""
-    per_row = prompt_tokens + stage.mean_position() - spec.context_ref_tokens
-    b = max(stage.b + spec.step_context_s * per_row / max(stage.k, 1e-12), 1e-12)
-    return replace(stage, b=b)
+    return replace(stage, b=model.b_at(prompt_tokens + stage.mean_position()))
 
 
 def dp_ref(state: ClusterState, role: Role) -> float:
