@@ -62,6 +62,7 @@ from pivotrl.core.views import (
     drain_loss,
     drain_value,
     keep_limit,
+    keeps_up,
     role_views,
     tau,
 )
@@ -189,6 +190,9 @@ def plan(state: ClusterState, costs: ShiftCostModel, now: float) -> PlanResult:
     shown: _Evaluation | None = None
     tried: list[str] = []
     for u in order:
+        if keeps_up(state, views, u):
+            tried.append(f"{u}: drains before the tail upstream of it ends")
+            continue
         ev = plan_for(state, costs, views, pools, u, threshold, floors)
         tried.append(f"{u}: {ev.note}")
         if shown is None or (shown.xs.size == 0 and ev.xs.size > 0):

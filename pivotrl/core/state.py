@@ -209,6 +209,7 @@ class ClusterState:
         rep.kv_used += seq.kv_reserved
         rep.remaining += seq.remaining_estimate()
         rep.context += seq.context_tokens
+        rep.grew(seq)
 
     def _detach(self, seq: Sequence) -> Replica | None:
         self.blocked[seq.role] = False  # room freed, or the queue head may change
@@ -221,6 +222,7 @@ class ClusterState:
             rep.context -= seq.context_tokens
             if not rep.running:
                 rep.remaining = 0.0  # drop float drift
+            rep.left(seq)
             seq.replica_id = None
             return rep
         if seq.state is SeqState.WAITING:
@@ -247,6 +249,7 @@ class ClusterState:
         src.context -= ctx
         if not src.running:
             src.remaining = 0.0
+        src.left(seq)
         self.blocked[seq.role] = False
         seq.aborts += 1
         seq.replica_id = dst.replica_id
@@ -255,6 +258,7 @@ class ClusterState:
         dst.kv_used += need
         dst.remaining += rem
         dst.context += ctx
+        dst.grew(seq)
 
     def finish(self, seq: Sequence, now: float) -> None:
         self._detach(seq)
@@ -285,6 +289,7 @@ class ClusterState:
             rep = self.replicas[seq.replica_id]  # type: ignore[index]
             rep.remaining += delta
             rep.context += grown
+            rep.grew(seq)
         elif seq.state is SeqState.WAITING:
             self.queues[seq.role].rework(seq)
 
@@ -298,6 +303,11 @@ class ClusterState:
             assert rep.kv_used == sum(s.kv_reserved for s in rep.running.values()), rid
             assert rep.kv_used <= rep.kv_capacity, f"{rid} over KV capacity"
             assert rep.context == sum(s.context_tokens for s in rep.running.values()), rid
+            if not rep._furthest_stale:
+                most = max((s.generated for s in rep.running.values()), default=None)
+                far = rep._furthest
+                assert (far is None) == (most is None), f"{rid} furthest sequence {far} of {most}"
+                assert far is None or (rep.running.get(far.seq_id) is far and far.generated == most), rid
             assert abs(rep.remaining - sum(s.remaining_estimate() for s in rep.running.values())) < 1e-6 * (
                 1 + abs(rep.remaining)), rid
             for sid, s in rep.running.items():

@@ -322,7 +322,8 @@ class Replica:
     `running` holds the sequences it serves (insertion ordered); `kv_used` the KV tokens they reserve;
     `remaining` the sum of their remaining-work estimates and `context` of their context tokens (what an
     abort would have to prefill again), kept incrementally so the planner never walks sequences.
-    `model` is its own throughput fit (spawned from the role's shared fit).
+    `model` is its own throughput fit (spawned from the role's shared fit). `furthest()` is the running
+    sequence that has generated the most, cached between the changes that can take it away.
     """
 
     replica_id: str
@@ -337,10 +338,31 @@ class Replica:
     kv_used: int = 0
     remaining: float = 0.0
     context: int = 0
+    _furthest: Sequence | None = None  # the running sequence that has generated the most
+    _furthest_stale: bool = False  # it left: found again by the next `furthest()`
 
     @property
     def n(self) -> int:
         return len(self.running)
+
+    def furthest(self) -> Sequence | None:
+        """The running sequence that has generated the most (None with none running). A walk of `running`
+        only after the one holding the most left; otherwise the cached one."""
+        if self._furthest_stale:
+            self._furthest = max(self.running.values(), key=lambda s: s.generated, default=None)
+            self._furthest_stale = False
+        return self._furthest
+
+    def grew(self, seq: Sequence) -> None:
+        """`seq` runs here and has just joined or generated more."""
+        if not self._furthest_stale and (self._furthest is None or seq.generated > self._furthest.generated):
+            self._furthest = seq
+
+    def left(self, seq: Sequence) -> None:
+        """`seq` stopped running here."""
+        if seq is self._furthest:
+            self._furthest = None
+            self._furthest_stale = bool(self.running)
 
     def fits(self, need: int) -> bool:
         """Room for one more sequence reserving `need` KV tokens?"""

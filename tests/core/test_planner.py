@@ -27,6 +27,7 @@ from pivotrl.core.shiftcost import ShiftCostModel
 from pivotrl.core.state import ClusterState
 from pivotrl.core.throughput import ThroughputModel
 from pivotrl.core.types import ControllerConfig, ReplicaState, ShiftTimings
+from pivotrl.core.views import keeps_up
 
 from ._hyp import CI
 from .helpers import active_state, config, seq
@@ -228,12 +229,14 @@ def test_dp_matches_brute_force_and_never_returns_nonpositive_benefit(seed: int)
     order = sorted((r for r in stt.roles if views[r].work > 0),
                    key=lambda r: (drain_floor(views, r) is None, -taus[r], -views[r].work,
                                   stt.roles.index(r)))
-    # Every role tried before the returned one had no subset that clears its margin (by brute force).
+    # Every role tried before the returned one had no subset that clears its margin (by brute force), or
+    # drains before the tail upstream of it ends (`keeps_up`: skipped, whatever its candidates).
     for r in order[: order.index(res.to_role)]:
-        assert brute_force_best(stt, costs, now, r, clearing=True) is None
+        assert keeps_up(stt, views, r) or brute_force_best(stt, costs, now, r, clearing=True) is None
+    assert not keeps_up(stt, views, res.to_role)
     if res.chosen is None:  # nothing clears the margin for any role
         for r in order:
-            assert brute_force_best(stt, costs, now, r, clearing=True) is None
+            assert keeps_up(stt, views, r) or brute_force_best(stt, costs, now, r, clearing=True) is None
     bf = brute_force_best(stt, costs, now, res.to_role)
     if not res.reasoning.candidates:
         # Either no feasible subset, or the DP was skipped because even u's raw gain cannot clear the margin.
