@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pivotrl.core.state import ClusterState
-from pivotrl.core.types import PIPELINE, Replica, ReplicaState, Role
+from pivotrl.core.types import PIPELINE, IterationPlan, Replica, ReplicaState, Role
 
 
 @dataclass(frozen=True)
@@ -130,6 +130,14 @@ def role_views(state: ClusterState, horizon: float, now: float = 0.0) -> dict[Ro
     return {r: RoleView(**v) for r, v in base.items()}
 
 
+def expected_longest(plan: IterationPlan) -> dict[Role, float]:
+    """Tokens of the iteration's longest item per generating role: the plan's, else 4 × its mean."""
+    return {
+        Role.ROLLOUT: plan.rollout_tokens_longest or 4.0 * plan.rollout_tokens_per_seq,
+        Role.REWARD: plan.reward_tokens_longest or 4.0 * plan.reward_tokens_per_rollout,
+    }
+
+
 def _longest_left(state: ClusterState, base: dict[Role, dict], now: float) -> None:
     """For each generating role with live work: the tokens its longest item of the iteration may still
     need — the plan's expected longest (4 × the mean without one) less the most any item can have decoded
@@ -138,14 +146,9 @@ def _longest_left(state: ClusterState, base: dict[Role, dict], now: float) -> No
     workload whose longest rollouts ran ~8,000) let the planner slow a rollout still on the critical path.
     Also, for every generating role (live work or not), `item_s`: that longest item's time on a replica
     of the role's own at batch 1, what the critical path spends there after the item arrives."""
-    plan = state.plan
-    if plan is None:
+    if state.plan is None:
         return
-    longest = {
-        Role.ROLLOUT: plan.rollout_tokens_longest or 4.0 * plan.rollout_tokens_per_seq,
-        Role.REWARD: plan.reward_tokens_longest or 4.0 * plan.reward_tokens_per_rollout,
-    }
-    for role, most in longest.items():
+    for role, most in expected_longest(state.plan).items():
         b = base.get(role)
         if b is None or b["a"] <= 0:
             continue
@@ -166,14 +169,9 @@ def _tail_left(state: ClusterState, base: dict[Role, dict]) -> None:
     Why not `longest_left`: that one bounds what an item can have decoded by the time since the iteration
     began, right for rollouts, but a judgement starts when its rollout ends. On random draw 22 the judge's
     last 50 items needed ~24 s at t = 28 s, where the role's work over its rate (τ) said 8 s."""
-    plan = state.plan
-    if plan is None:
+    if state.plan is None:
         return
-    longest = {
-        Role.ROLLOUT: plan.rollout_tokens_longest or 4.0 * plan.rollout_tokens_per_seq,
-        Role.REWARD: plan.reward_tokens_longest or 4.0 * plan.reward_tokens_per_rollout,
-    }
-    for role, most in longest.items():
+    for role, most in expected_longest(state.plan).items():
         b = base.get(role)
         if b is None or b["rate"] <= 0:
             continue
