@@ -38,7 +38,6 @@ class RoleView:
     done: bool = False     # no live work and none can still reach it this iteration (idle until the next)
     longest_left: float = 0.0  # tokens the iteration's longest item may still need (`_longest_left`)
     item_s: float = 0.0    # seconds the iteration's longest item spends in this role (`_longest_left`)
-    tail_s: float = 0.0    # seconds until its longest running item may end, at today's step (`_tail_left`)
 
     def throughput(self, m: float) -> float:
         """Tokens/s of `m` replicas holding this role's sequences, spread evenly (role-shared fit)."""
@@ -124,7 +123,6 @@ def role_views(state: ClusterState, horizon: float, now: float = 0.0) -> dict[Ro
                           weight=spec.devices_per_replica / peak if peak > 0 else 0.0, horizon=horizon,
                           donated=state.donated_since(role, now - cfg.cooldown_s))
     _longest_left(state, base, now)
-    _tail_left(state, base)
     _add_upstream(state, base, horizon)
     _mark_done(state, base)
     return {r: RoleView(**v) for r, v in base.items()}
@@ -159,34 +157,35 @@ def _longest_left(state: ClusterState, base: dict[Role, dict], now: float) -> No
         b["longest_left"] = max(most - decoded_at_most, 0.0)
 
 
-def _tail_left(state: ClusterState, base: dict[Role, dict]) -> None:
-    """For each generating role with running items: `tail_s`, the seconds its longest item may still take
-    at the role's step time now (its running rows over its rate: seconds per token of one row). That item
-    has the iteration's expected longest length (4 × the mean without one) less what the furthest running
-    item has generated, or at least what that item's own estimate says is left
-    (`Sequence.remaining_estimate`: past its expected length, half its length again, within its budget).
+def tail_s(state: ClusterState, view: RoleView) -> float:
+    """Seconds until the longest running item of `view`'s role may end, at the role's step time now (its
+    running rows over its rate: seconds per token of one row); 0 where that is unknown (no plan, nothing
+    running, or a role that does not generate). That item has the iteration's expected longest length
+    (4 × the mean without one) less what the furthest running item has generated, or at least what that
+    item's own estimate says is left (`Sequence.remaining_estimate`: past its expected length, half its
+    length again, within its budget).
 
     Why not `longest_left`: that one bounds what an item can have decoded by the time since the iteration
     began, right for rollouts, but a judgement starts when its rollout ends. On random draw 22 the judge's
-    last 50 items needed ~24 s at t = 28 s, where the role's work over its rate (τ) said 8 s."""
-    if state.plan is None:
-        return
-    for role, most in expected_longest(state.plan).items():
-        b = base.get(role)
-        if b is None or b["rate"] <= 0:
-            continue
-        reps = [r for r in state.by_role[role].values() if r.state is ReplicaState.ACTIVE and r.running]
-        far = [s for s in (r.furthest() for r in reps) if s is not None]
-        if not far:
-            continue
-        lead = max(far, key=lambda s: s.generated)
-        left = max(most - lead.generated, lead.remaining_estimate(), 1.0)
-        b["tail_s"] = left * sum(r.n for r in reps) / b["rate"]
+    last 50 items needed ~24 s at t = 28 s, where the role's work over its rate (τ) said 8 s. Read only
+    where `keeps_up` asks, not for every view: it is the one reader."""
+    if state.plan is None or view.rate <= 0:
+        return 0.0
+    most = expected_longest(state.plan).get(view.role)
+    if most is None:
+        return 0.0
+    reps = [r for r in state.by_role[view.role].values() if r.state is ReplicaState.ACTIVE and r.running]
+    far = [s for s in (r.furthest() for r in reps) if s is not None]
+    if not far:
+        return 0.0
+    lead = max(far, key=lambda s: s.generated)
+    left = max(most - lead.generated, lead.remaining_estimate(), 1.0)
+    return left * sum(r.n for r in reps) / view.rate
 
 
 def keeps_up(state: ClusterState, views: dict[Role, RoleView], u: Role) -> bool:
     """Would the last stage `u` drain its work, and an item for each one the stage before it still holds,
-    before that stage's longest running item ends (`RoleView.tail_s`), with the replicas it has now?
+    before that stage's longest running item ends (`tail_s`), with the replicas it has now?
 
     Only asked once the first stage is done (every rollout submitted and ended): the judge is then in its
     tail, and train's last item is the one that tail releases, whatever train's replicas. On-policy the
@@ -202,10 +201,11 @@ def keeps_up(state: ClusterState, views: dict[Role, RoleView], u: Role) -> bool:
     if any(r not in views for r in PIPELINE) or not views[first].done:
         return False
     vu, vup = views[u], views[up]
-    if vup.tail_s <= 0.0 or vu.rate <= 0.0:
+    tail = tail_s(state, vup)
+    if tail <= 0.0 or vu.rate <= 0.0:
         return False
     per_item = plan.train_tokens_per_group / max(plan.group_size, 1)
-    return (vu.work + vup.seqs * per_item) / vu.rate < vup.tail_s
+    return (vu.work + vup.seqs * per_item) / vu.rate < tail
 
 
 def _mark_done(state: ClusterState, base: dict[Role, dict]) -> None:
