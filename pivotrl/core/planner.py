@@ -67,9 +67,9 @@ from pivotrl.core.views import (
     tau,
 )
 
-__all__ = ["Donor", "DonorPool", "PlanResult", "RoleView", "critical_delay", "donor_penalty", "donor_pools",
-           "drain_floor", "drain_value", "keep_limit", "plan", "plan_for", "return_trip_s", "role_views",
-           "tau"]
+__all__ = ["Donor", "DonorPool", "PlanResult", "RoleView", "arrival_s", "critical_delay", "donor_penalty",
+           "donor_pools", "drain_floor", "drain_value", "keep_limit", "plan", "plan_for", "return_trip_s",
+           "role_views", "tau"]
 
 
 @dataclass(frozen=True)
@@ -165,11 +165,24 @@ def donor_pools(state: ClusterState, views: dict[Role, RoleView], now: float) ->
     return pools
 
 
-def plan(state: ClusterState, costs: ShiftCostModel, now: float) -> PlanResult:
+def arrival_s(costs: ShiftCostModel, u: Role) -> float:
+    """The soonest a device shifted to the last stage `u` now could serve there (the shortest expected
+    shift into it from another role); 0 for any other role. `keeps_up` asks whether `u` would still be
+    waiting out the tail upstream of it by then."""
+    if u is not PIPELINE[-1]:
+        return 0.0
+    return min(costs.duration(r, u) for r in PIPELINE if r is not u)
+
+
+def plan(state: ClusterState, costs: ShiftCostModel, now: float, opens_colocated: bool = False) -> PlanResult:
     """Run the five steps. Roles are tried as shift-up role in decreasing τ, after the role that holds the
     iteration up if one does (`drain_floor`); the first whose best candidate clears the margin wins. (A
     role can be furthest behind yet unable to use a device — a tail of fewer sequences than replicas — in
-    which case the next role in that order gets the devices.)"""
+    which case the next role in that order gets the devices.)
+
+    ``opens_colocated``: the next iteration opens with every device on the first stage, so a device moved
+    to train in the rollouts' tail makes no trip back of its own, and `keeps_up` is asked only once the
+    rollouts are done (asked earlier, the paper reconstruction, which opens colocated, lost 0.8 %)."""
     cfg = state.config
     views = role_views(state, cfg.horizon_s, now)
     taus = tau(views)
@@ -190,7 +203,7 @@ def plan(state: ClusterState, costs: ShiftCostModel, now: float) -> PlanResult:
     shown: _Evaluation | None = None
     tried: list[str] = []
     for u in order:
-        if keeps_up(state, views, u):
+        if keeps_up(state, views, u, 0.0 if opens_colocated else arrival_s(costs, u)):
             tried.append(f"{u}: drains before the tail upstream of it ends")
             continue
         ev = plan_for(state, costs, views, pools, u, threshold, floors)

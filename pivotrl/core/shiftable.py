@@ -140,7 +140,7 @@ class Shiftable(Policy):
             back = return_loans(state, self.loans, now, self.choice.static_split if self.choice else None)
             if back is not None:
                 return back
-        result = planner.plan(state, costs, now)
+        result = planner.plan(state, costs, now, choice is not None and choice.opens_colocated())
         self.last = result
         if result.chosen is None or result.to_role is None:
             return serve_starving(state, now)

@@ -183,29 +183,47 @@ def tail_s(state: ClusterState, view: RoleView) -> float:
     return left * sum(r.n for r in reps) / view.rate
 
 
-def keeps_up(state: ClusterState, views: dict[Role, RoleView], u: Role) -> bool:
-    """Would the last stage `u` drain its work, and an item for each one the stage before it still holds,
-    before that stage's longest running item ends (`tail_s`), with the replicas it has now?
+def keeps_up(state: ClusterState, views: dict[Role, RoleView], u: Role, arrive_s: float = 0.0) -> bool:
+    """Would the last stage `u` drain its work, and an item for each one the stages before it still hold,
+    before the longest running item upstream ends, with the replicas it has now?
 
-    Only asked once the first stage is done (every rollout submitted and ended): the judge is then in its
-    tail, and train's last item is the one that tail releases, whatever train's replicas. On-policy the
-    iteration ends with it, so more train devices would do its work sooner but end nothing sooner, and a
-    device moved there comes back for the next iteration. Random draw 22: four judge devices moved to train
-    in the judge's tail; train ended 0.2 s after the last judgement either way, and the next iteration
-    moved five back at 12 s each. The same test for the judge against the rollouts' tail lost a little on
-    two random draws (docs/decisions.md, "The last stage waits out a longer tail upstream of it")."""
+    Asked once the first stage is done (every rollout submitted and ended): the judge is then in its tail
+    (`tail_s`), and train's last item is the one that tail releases, whatever train's replicas. On-policy
+    the iteration ends with it, so more train devices would do its work sooner but end nothing sooner, and
+    a device moved there comes back for the next iteration. Random draw 22: four judge devices moved to
+    train in the judge's tail; train ended 0.2 s after the last judgement either way, and the next
+    iteration moved five back at 12 s each. The same test for the judge against the rollouts' tail lost a
+    little on two random draws.
+
+    Also asked in the rollouts' own tail (every rollout started, none waiting) for a device that would
+    arrive in train (`arrive_s`, the soonest a shift into it ends) after the longest rollout may end: it
+    would arrive in the judge's tail, where the test above holds it back. The tail upstream is then the
+    later of the judge's own and that rollout's end plus the longest judgement's time on one judge replica
+    (`RoleView.item_s`). Random draw 36: two idle rollout devices and a judge device moved to train 2-4 s
+    before the last rollouts ended, on 11 s shifts, and came back at the next opening. A device that would
+    arrive sooner is left to the planner: on draw 40 rollout devices moved to train 13-17 s before the
+    rollouts ended were what train's tail needed (docs/decisions.md, "The last stage waits out a longer
+    tail upstream of it")."""
     plan = state.plan
     u_last, up, first = PIPELINE[-1], PIPELINE[-2], PIPELINE[0]
     if plan is None or u is not u_last or state.rollouts_unsubmitted():
         return False
-    if any(r not in views for r in PIPELINE) or not views[first].done:
+    if any(r not in views for r in PIPELINE):
         return False
-    vu, vup = views[u], views[up]
-    tail = tail_s(state, vup)
+    vu, vup, vfirst = views[u], views[up], views[first]
+    if vfirst.done:
+        tail, upstream = tail_s(state, vup), vup.seqs
+    elif len(state.queues[first]) == 0 and vfirst.seqs > 0:
+        head = tail_s(state, vfirst)
+        if head <= 0.0 or head > arrive_s:
+            return False
+        tail, upstream = max(tail_s(state, vup), head + vup.item_s), vup.seqs + vfirst.seqs
+    else:
+        return False
     if tail <= 0.0 or vu.rate <= 0.0:
         return False
     per_item = plan.train_tokens_per_group / max(plan.group_size, 1)
-    return (vu.work + vup.seqs * per_item) / vu.rate < tail
+    return (vu.work + upstream * per_item) / vu.rate < tail
 
 
 def _mark_done(state: ClusterState, base: dict[Role, dict]) -> None:

@@ -1,5 +1,6 @@
-"""The last stage's shift-up waits out a longer tail upstream of it (`views.keeps_up`, `views.tail_s`),
-and the per-replica cache that prices that tail without walking sequences (`Replica.furthest`)."""
+"""The last stage's shift-up waits out a longer tail upstream of it (`views.keeps_up`, `views.tail_s`):
+the judge's, or for a device that would arrive after them the rollouts'; and the per-replica cache that
+prices that tail without walking sequences (`Replica.furthest`)."""
 
 from __future__ import annotations
 
@@ -95,6 +96,78 @@ def test_keeps_up_is_the_comparison_of_trains_drain_with_the_judges_tail(
     assert got == tail or abs(got - tail) <= 1e-9 * tail
     drain = (tr.work + rw.seqs * 100.0) / tr.rate
     assert keeps_up(stt, views, Role.TRAIN) == (drain < got)
+
+
+def _rollout_tail(running: int, longest: float, train_items: int, judged: int = 2, waiting: int = 0):
+    """Every rollout submitted; `running` of them still decoding on one rollout replica (each has generated
+    100 tokens; `waiting` more queued behind a full replica when asked), `judged` judgements on the judge's
+    two busy replicas (100 tokens each), `train_items` train items of 100 tokens. The plan expects the
+    iteration's longest rollout at `longest` tokens; two judge replicas idle."""
+    cfg = config(horizon_s=10.0, cooldown_s=0.0)
+    stt = active_state(cfg, {Role.ROLLOUT: 1, Role.REWARD: 4, Role.TRAIN: 1})
+    stt.plan = IterationPlan(0, rollout_seqs=64, group_size=1, rollout_tokens_per_seq=50,
+                             reward_tokens_per_rollout=150, train_tokens_per_group=100,
+                             rollout_tokens_longest=longest, reward_tokens_longest=400.0)
+    stt.submitted[Role.ROLLOUT] = 64
+    for i in range(running + waiting):
+        stt.admit(seq(f"r{i}", Role.ROLLOUT, max_new=400, expected_new_tokens=50), 0.0)
+    for i in range(judged):
+        stt.admit(seq(f"j{i}", Role.REWARD, max_new=3000, expected_new_tokens=150), 0.0)
+    for i in range(train_items):
+        stt.admit(seq(f"t{i}", Role.TRAIN, prompt=0, max_new=100), 0.0)
+    dispatch_all(stt)
+    for s in list(stt.seqs.values()):
+        if s.role is not Role.TRAIN and s.state is SeqState.RUNNING:
+            stt.update_progress(s, 100)
+    stt.check()
+    return stt
+
+
+def test_in_the_rollouts_tail_train_takes_no_device_that_would_arrive_after_it() -> None:
+    """The last rollouts still need ~1,900 tokens. A device shifted to train in 60 s would arrive after
+    them, in the judge's tail, where the rule above would keep train from taking it: so it is not moved now
+    either (random draw 36: two idle rollout devices and a judge device moved to train just before the last
+    rollouts ended, then back at the next opening). A shift faster than the rollouts' tail, a rollout still
+    waiting, or an opening that sends every device to the first stage anyway leaves the choice to the
+    planner; so does a train backlog deeper than the tail."""
+    stt = _rollout_tail(running=2, longest=2000.0, train_items=10)
+    views = role_views(stt, 10.0)
+    head = tail_s(stt, views[Role.ROLLOUT])
+    assert 0.0 < head < 60.0
+    assert keeps_up(stt, views, Role.TRAIN, arrive_s=60.0)
+    assert not keeps_up(stt, views, Role.TRAIN, arrive_s=head / 2)
+    slow = ShiftCostModel(prior_s=60.0)
+    res = plan(stt, slow, 1.0)
+    assert res.to_role is not Role.TRAIN
+    assert "drains before the tail upstream of it ends" in res.reasoning.note
+    assert "drains before" not in plan(stt, slow, 1.0, opens_colocated=True).reasoning.note
+    assert "drains before" not in plan(stt, ShiftCostModel(prior_s=head / 2), 1.0).reasoning.note
+
+    queued = _rollout_tail(running=8, waiting=1, longest=2000.0, train_items=10)
+    assert len(queued.queues[Role.ROLLOUT]) == 1
+    assert not keeps_up(queued, role_views(queued, 10.0), Role.TRAIN, arrive_s=1e9)
+    deep = _rollout_tail(running=2, longest=2000.0, train_items=4000)
+    assert not keeps_up(deep, role_views(deep, 10.0), Role.TRAIN, arrive_s=1e9)
+
+
+@CI
+@given(running=st.integers(1, 8), judged=st.integers(0, 4), longest=st.floats(1.0, 1e5),
+       items=st.integers(1, 400), arrive=st.floats(0.0, 1e4))
+def test_in_the_rollouts_tail_keeps_up_is_its_definition(
+    running: int, judged: int, longest: float, items: int, arrive: float
+) -> None:
+    """In the rollouts' tail `keeps_up` says yes exactly when a device moved now would arrive after the
+    longest rollout may end, and train's work, with a train item for every live rollout and judgement, over
+    its rate now, ends before the later of the judge's own tail and that rollout's end plus the longest
+    judgement's time on one judge replica."""
+    stt = _rollout_tail(running, longest, items, judged=judged)
+    views = role_views(stt, 10.0)
+    ro, rw, tr = views[Role.ROLLOUT], views[Role.REWARD], views[Role.TRAIN]
+    head = tail_s(stt, ro)
+    tail = max(tail_s(stt, rw), head + rw.item_s)
+    drain = (tr.work + (rw.seqs + ro.seqs) * 100.0) / tr.rate
+    want = 0.0 < head <= arrive and drain < tail
+    assert keeps_up(stt, views, Role.TRAIN, arrive_s=arrive) == want
 
 
 @CI
