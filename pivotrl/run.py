@@ -183,7 +183,7 @@ def controller_config(cfg: PipelineConfig) -> Any:
     }
     return ControllerConfig(roles=roles, horizon_s=sc.horizon_s, hysteresis=sc.hysteresis,
                             cooldown_s=sc.cooldown_s, cooldown_shift_multiple=sc.cooldown_shift_multiple,
-                            shift_prior_s=pr.shift_s)
+                            shift_prior_s=pr.shift_s, max_staleness=cfg.run.max_staleness)
 
 
 def build_controller(cfg: PipelineConfig, mode: str, n_devices: int,

@@ -140,7 +140,11 @@ class Shiftable(Policy):
             back = return_loans(state, self.loans, now, self.choice.static_split if self.choice else None)
             if back is not None:
                 return back
-        result = planner.plan(state, costs, now, choice is not None and choice.opens_colocated())
+        # With staleness the next rollouts start when these end, on the devices they hold then: a device
+        # moved to train in their tail is wanted back at once, colocated opening or not.
+        opens_colocated = (choice is not None and choice.opens_colocated()
+                           and state.config.max_staleness == 0)
+        result = planner.plan(state, costs, now, opens_colocated)
         self.last = result
         if result.chosen is None or result.to_role is None:
             return serve_starving(state, now)

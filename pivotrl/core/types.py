@@ -207,6 +207,9 @@ class ControllerConfig:
     kv_reserve: "budget" reserves prompt + max_new_tokens per sequence (a replica can never overflow);
         "expected" reserves prompt + expected length (more concurrency; the engine must preempt on overflow,
         as vLLM/SGLang do).
+    max_staleness: the run's bound k (`run.max_staleness`, 0 = on-policy). With k ≥ 1 the next
+        iteration's rollouts start when this iteration's end, on the devices the rollouts hold then, not
+        at an opening that moves the whole allocation (`Shiftable.plan`).
     """
 
     roles: dict[Role, RoleSpec] = field(default_factory=lambda: {r: RoleSpec() for r in PIPELINE})
@@ -224,10 +227,13 @@ class ControllerConfig:
     upstream_rate: float = 0.2
     upstream_rate_floor: int = 16
     upstream_ahead: float = 0.25
+    max_staleness: int = 0
 
     def __post_init__(self) -> None:
         if self.kv_reserve not in ("budget", "expected"):
             raise ValueError(f"kv_reserve must be 'budget' or 'expected', got {self.kv_reserve!r}")
+        if self.max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
 
     def lock_after(self, shift_s: float) -> float:
         """Seconds a device stays where a shift of `shift_s` seconds took it (`cooldown_shift_multiple`)."""

@@ -60,7 +60,7 @@ def controller_config(cfg: SimConfig) -> ControllerConfig:
     return ControllerConfig(roles=roles, horizon_s=s.horizon_s, hysteresis=s.hysteresis,
                             cooldown_s=s.cooldown_s, cooldown_shift_multiple=s.cooldown_shift_multiple,
                             shift_prior_s=shift_prior, kv_reserve=s.kv_reserve,
-                            prior_weight=s.prior_weight)
+                            prior_weight=s.prior_weight, max_staleness=cfg.workload.max_staleness)
 
 
 def build_controller(cfg: SimConfig, mode: str, split: dict[str, int] | None = None) -> Controller:

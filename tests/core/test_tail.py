@@ -11,7 +11,9 @@ from hypothesis import strategies as st
 
 from pivotrl.core import IterationPlan, Role
 from pivotrl.core.dispatcher import dispatch_all
+from pivotrl.core.iteration import IterationChoice
 from pivotrl.core.planner import plan
+from pivotrl.core.shiftable import Shiftable
 from pivotrl.core.shiftcost import ShiftCostModel
 from pivotrl.core.types import SeqState
 from pivotrl.core.views import keeps_up, role_views, tail_s
@@ -98,12 +100,13 @@ def test_keeps_up_is_the_comparison_of_trains_drain_with_the_judges_tail(
     assert keeps_up(stt, views, Role.TRAIN) == (drain < got)
 
 
-def _rollout_tail(running: int, longest: float, train_items: int, judged: int = 2, waiting: int = 0):
+def _rollout_tail(running: int, longest: float, train_items: int, judged: int = 2, waiting: int = 0,
+                  max_staleness: int = 0):
     """Every rollout submitted; `running` of them still decoding on one rollout replica (each has generated
     100 tokens; `waiting` more queued behind a full replica when asked), `judged` judgements on the judge's
     two busy replicas (100 tokens each), `train_items` train items of 100 tokens. The plan expects the
     iteration's longest rollout at `longest` tokens; two judge replicas idle."""
-    cfg = config(horizon_s=10.0, cooldown_s=0.0)
+    cfg = config(horizon_s=10.0, cooldown_s=0.0, max_staleness=max_staleness)
     stt = active_state(cfg, {Role.ROLLOUT: 1, Role.REWARD: 4, Role.TRAIN: 1})
     stt.plan = IterationPlan(0, rollout_seqs=64, group_size=1, rollout_tokens_per_seq=50,
                              reward_tokens_per_rollout=150, train_tokens_per_group=100,
@@ -148,6 +151,23 @@ def test_in_the_rollouts_tail_train_takes_no_device_that_would_arrive_after_it()
     assert not keeps_up(queued, role_views(queued, 10.0), Role.TRAIN, arrive_s=1e9)
     deep = _rollout_tail(running=2, longest=2000.0, train_items=4000)
     assert not keeps_up(deep, role_views(deep, 10.0), Role.TRAIN, arrive_s=1e9)
+
+
+def test_an_iteration_opening_colocated_asks_only_on_policy() -> None:
+    """Where the next iteration opens with every device on the first stage, a device moved to train makes
+    no trip back of its own, and the shiftable policy asks only once the rollouts are done; with staleness
+    the next rollouts start when these end, on the devices they hold then, so it asks in their tail too."""
+    asked = {}
+    for k in (0, 1):
+        stt = _rollout_tail(running=2, longest=2000.0, train_items=10, max_staleness=k)
+        pol = Shiftable()
+        pol.choice = IterationChoice("dynamic", {"static": 20.0, "dynamic": 10.0, "colocated": 15.0},
+                                     {Role.ROLLOUT: 1, Role.REWARD: 4, Role.TRAIN: 1}, 1.0)
+        assert pol.choice.opens_colocated()
+        pol.plan(stt, ShiftCostModel(prior_s=60.0), 1.0)
+        assert pol.last is not None
+        asked[k] = "drains before the tail upstream of it ends" in pol.last.reasoning.note
+    assert asked == {0: False, 1: True}
 
 
 @CI
