@@ -79,3 +79,24 @@ def test_compare_reports_the_staleness_keys() -> None:
     assert tps["tighter_bound"] == tps["fluid_bound"]
     assert rep["fraction_of_tighter_bound"] == pytest.approx(rep["fraction_of_fluid_bound"])
     assert "ratio_vs_colocated_onpolicy" not in compare(load_sim_config(PAPER, SMALL))
+
+
+@pytest.mark.parametrize("k", [0, 1, 2])
+def test_core_is_told_the_runs_staleness_bound(k: int) -> None:
+    """The simulator's and the runtime's controller configs carry the bound
+    (`ControllerConfig.max_staleness`): with k ≥ 1 the shiftable policy plans the rollouts' tail knowing
+    the next rollouts start when these end."""
+    from pivotrl.config import load_config
+    from pivotrl.run import controller_config as runtime_config
+    from pivotrl.sim.driver import controller_config as sim_config
+
+    assert sim_config(load_sim_config(PAPER, [*SMALL, f"workload.max_staleness={k}"])).max_staleness == k
+    run_cfg = load_config(ROOT / "configs/quickstart.yaml", overrides=[f"run.max_staleness={k}"])
+    assert runtime_config(run_cfg).max_staleness == k
+
+
+def test_a_negative_staleness_bound_is_refused_by_core() -> None:
+    from pivotrl.core.types import ControllerConfig
+
+    with pytest.raises(ValueError, match="max_staleness"):
+        ControllerConfig(max_staleness=-1)
