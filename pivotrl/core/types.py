@@ -208,7 +208,7 @@ class ControllerConfig:
         "expected" reserves prompt + expected length (more concurrency; the engine must preempt on overflow,
         as vLLM/SGLang do).
     max_staleness: the run's bound k (`run.max_staleness`, 0 = on-policy). With k ≥ 1 the next
-        iteration's rollouts start when this iteration's end, on the devices the rollouts hold then, not
+        iteration's rollouts start when this iteration's rollouts end, on the devices they hold then, not
         at an opening that moves the whole allocation (`Shiftable.plan`).
     """
 
