@@ -31,9 +31,9 @@ from pivotrl.core.makespan import (
     best_static,
     colocated_makespan,
     dynamic_makespan,
-    first_work,
     moved_makespan,
     static_makespans,
+    work_arrives,
 )
 from pivotrl.core.shiftcost import ShiftCostModel
 from pivotrl.core.stage import TAIL_FRACTIONS, Stage, tail_lengths
@@ -261,6 +261,7 @@ class IterationChoice:
     first_stage_alone_s: float = 0.0  # predicted end of the first stage with every device on it
     handoff_s: float = 0.0  # mean seconds for a device to take up a downstream role
     first_work_s: dict[Role, float] = field(default_factory=dict)  # a role's first item, on the split
+    half_work_s: dict[Role, float] = field(default_factory=dict)  # half of a role's items, on the split
 
     def split_beats_planner(self) -> bool:
         """The static split's own prediction is below the tick planner's once the planner's measured record
@@ -328,6 +329,6 @@ def choose(
     _, alone = first.timing(np.asarray(float(max(n // first.g, 1))))
     handoff = sum(st[r].shift_s for r in PIPELINE[1:]) / (len(PIPELINE) - 1)
     return IterationChoice(mode, {m: v * scale for m, v in pred.items()}, split, scale, float(alone), handoff,
-                           first_work(st, split))
+                           work_arrives(st, split), work_arrives(st, split, 0.5))
 
 

@@ -244,19 +244,21 @@ def moved_makespan(st: dict[Role, Stage], split: dict[Role, int], placed: dict[R
     return max(t_split, float(static_makespans(st, eff)[0]))
 
 
-def first_work(st: dict[Role, Stage], split: dict[Role, int]) -> dict[Role, float]:
-    """When each downstream role gets its first item on `split`: reward with the first finished rollout,
-    train with the first complete group (all of its G members judged)."""
+def work_arrives(st: dict[Role, Stage], split: dict[Role, int],
+                 share: float | None = None) -> dict[Role, float]:
+    """When each downstream role has received `share` of its items on `split` (None: its first item):
+    reward as the rollouts end, train as its groups complete (all G members judged)."""
     ro, rw, tr = (st[r] for r in PIPELINE)
     m = {r: np.asarray(float(max(split[r] // st[r].g, 1))) for r in PIPELINE}
     n = max(ro.seqs, 1.0)
     up = ro.emissions(m[Role.ROLLOUT])
-    first_rollout = 1.0 - 1.0 / n
     groups = max(n / max(tr.group, 1), 1.0)
-    # the first group completes a group lag after the first of its members is judged (`static_makespans`)
+    # `emitted` and `after` take the fraction still to come: all but it has arrived
+    rollouts_left = 1.0 - (1.0 / n if share is None else share)
+    groups_left = max(1.0 - (1.0 / groups if share is None else share), 1.0 / n)
+    # a group completes a group lag after the first of its members is judged (`static_makespans`)
     lag = group_lag(ro, rw, m[Role.ROLLOUT], m[Role.REWARD], max(tr.group, 1))
-    first_group = max(1.0 - 1.0 / groups, 1.0 / n)
     return {
-        Role.REWARD: float(ro.emitted(m[Role.ROLLOUT], first_rollout)),
-        Role.TRAIN: float(rw.after(up, m[Role.REWARD], first_group) + lag),
+        Role.REWARD: float(ro.emitted(m[Role.ROLLOUT], rollouts_left)),
+        Role.TRAIN: float(rw.after(up, m[Role.REWARD], groups_left) + lag),
     }

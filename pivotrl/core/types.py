@@ -301,6 +301,8 @@ class IterationPlan:
         expected longest of the iteration; empty / 0 = unknown (a prior multiple of the mean is assumed
         until an iteration is measured). What a runtime knows of its length distribution beforehand, e.g.
         from the last run; the measured profile replaces them after one iteration.
+    last_iteration: no iteration follows this one in the run (as far as the driver knows), so nothing
+        moved in its tail is wanted back at a next opening (`planner.return_trip_s`).
     """
 
     iteration: int
@@ -315,6 +317,7 @@ class IterationPlan:
     reward_tokens_tail: tuple[float, ...] = ()
     rollout_tokens_longest: float = 0.0
     reward_tokens_longest: float = 0.0
+    last_iteration: bool = False
 
     def __post_init__(self) -> None:  # a plan that crossed a wire may carry lists: keep it hashable
         for name in ("rollout_tokens_tail", "reward_tokens_tail"):

@@ -86,7 +86,7 @@ class IterationMeter:
     # -- planning hints ---------------------------------------------------------------------------------
     def iteration_plan(self, it: int, samples: list[Any], cfg: Any) -> Any:
         """core's `IterationPlan`: the iteration's work per role, expected from the last iteration's
-        lengths (the budgets' halves before any was measured)."""
+        lengths (the budgets' halves before any was measured); the run's last iteration says so."""
         from pivotrl.core import IterationPlan
 
         g = cfg.task.group_size
@@ -95,7 +95,8 @@ class IterationMeter:
         prompt = sum(len(s.prompt_ids) for s in samples) / max(1, len(samples))
         return IterationPlan(iteration=it, rollout_seqs=len(samples), group_size=g,
                              rollout_tokens_per_seq=float(resp), reward_tokens_per_rollout=float(judge),
-                             train_tokens_per_group=float(g * (prompt + resp)))
+                             train_tokens_per_group=float(g * (prompt + resp)),
+                             last_iteration=it == cfg.run.iterations - 1)
 
     # -- live -------------------------------------------------------------------------------------------
     def start(self, it: int) -> None:

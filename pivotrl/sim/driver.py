@@ -76,9 +76,10 @@ def build_controller(cfg: SimConfig, mode: str, split: dict[str, int] | None = N
     return Controller(policy, devices=devices, config=controller_config(cfg))
 
 
-def iteration_plan(cfg: SimConfig, iteration: int) -> IterationPlan:
+def iteration_plan(cfg: SimConfig, iteration: int, iterations: int | None = None) -> IterationPlan:
     """The plan core gets: expected lengths (means, tails, the longest of the iteration's count) from the
-    configured distributions, as a runtime would know them from its history; never the drawn lengths."""
+    configured distributions, as a runtime would know them from its history; never the drawn lengths.
+    `iterations`: the run's length (the workload's by default), so core knows its last iteration."""
     wl, e = cfg.workload, expected(cfg)
     n = wl.prompts_per_iteration * wl.group_size
     ro_tail, ro_max = length_profile(wl.response_len, n, TAIL_FRACTIONS)
@@ -89,4 +90,5 @@ def iteration_plan(cfg: SimConfig, iteration: int) -> IterationPlan:
                          train_tokens_per_group=wl.group_size * e["train_item"],
                          rollout_prompt_tokens=e["prompt"], reward_prompt_tokens=e["judge_prompt"],
                          rollout_tokens_tail=ro_tail, reward_tokens_tail=rw_tail,
-                         rollout_tokens_longest=ro_max, reward_tokens_longest=rw_max)
+                         rollout_tokens_longest=ro_max, reward_tokens_longest=rw_max,
+                         last_iteration=iteration == (iterations or wl.iterations) - 1)

@@ -199,7 +199,7 @@ class Simulator:
         self.n_specs += len(specs)
         self.iter_stats.append(IterStats(k, self.now))
         self.left[k] = dict.fromkeys(ROLES, len(specs))
-        self.ctl.begin_iteration(iteration_plan(self.cfg, k), self.now)
+        self.ctl.begin_iteration(iteration_plan(self.cfg, k, self.iterations), self.now)
         seqs = []
         max_resp = self.cfg.workload.response_len.max
         for s in specs:

@@ -25,12 +25,12 @@ from pivotrl.core.iteration import (
 from pivotrl.core.makespan import (
     GROUP_FRACTIONS,
     best_static,
-    first_work,
     group_lag,
     groups_complete,
     moved_makespan,
     ranked,
     static_makespans,
+    work_arrives,
 )
 from pivotrl.core.shiftable import Shiftable, opening_split, return_loans, toward_split
 from pivotrl.core.shiftcost import ShiftCostModel
@@ -511,11 +511,27 @@ def test_larger_groups_complete_later(stg: dict[Role, Stage], split: tuple[int, 
     """Train's first item waits for a whole group: with more members per group it comes no sooner."""
     stg = {r: dataclasses.replace(s, seqs=1024.0) for r, s in stg.items()}
     devices = {r: c * stg[r].g for r, c in zip(PIPELINE, split)}
-    small, large = (first_work({**stg, Role.TRAIN: dataclasses.replace(stg[Role.TRAIN], group=g)}, devices)
+    small, large = (work_arrives({**stg, Role.TRAIN: dataclasses.replace(stg[Role.TRAIN], group=g)}, devices)
                     for g in gs)
     assert large[Role.TRAIN] >= small[Role.TRAIN] * (1 - 1e-9) - 1e-12
     assert small[Role.REWARD] == large[Role.REWARD]
 
+
+
+@FEW
+@given(stg=stages_strategy, split=st.tuples(st.integers(1, 8), st.integers(1, 8), st.integers(1, 8)),
+       shares=st.tuples(st.floats(0.0, 1.0), st.floats(0.0, 1.0)))
+def test_a_larger_share_of_a_roles_work_arrives_no_sooner(stg: dict[Role, Stage], split: tuple[int, int, int],
+                                                        shares: tuple[float, float]) -> None:
+    """`work_arrives`: a larger share of a role's items reaches it no sooner than a smaller one, and the
+    first item (no share) no later than half of them (`IterationChoice.half_work_s`)."""
+    stg = {r: dataclasses.replace(s, seqs=1024.0) for r, s in stg.items()}
+    devices = {r: c * stg[r].g for r, c in zip(PIPELINE, split)}
+    lo, hi = sorted(shares)
+    first, half, early, late = (work_arrives(stg, devices, s) for s in (None, 0.5, lo, hi))
+    for r in PIPELINE[1:]:
+        assert first[r] <= half[r] * (1 + 1e-9) + 1e-9
+        assert early[r] <= late[r] * (1 + 1e-9) + 1e-9
 
 def test_a_long_first_stage_opens_on_the_split_less_the_late_roles_share() -> None:
     """Not short (the first stage outlasts a cooldown plus a shift): the first placement is
