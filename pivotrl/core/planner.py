@@ -46,6 +46,7 @@ sequences (the state keeps per-role and per-replica aggregates), so planning tim
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -102,13 +103,14 @@ class DonorPool:
 
 
 def donor_penalty(rep: Replica, view: RoleView, costs: ShiftCostModel, to_role: Role,
-                  prefill_rate: float, views: dict[Role, RoleView] | None = None) -> float:
-    """φ of one replica (the scalar form of what `plan_for` computes in bulk); with `views`, the return
-    trip of a device the first stage lends while it is done for the iteration (`return_trip_s`)."""
+                  prefill_rate: float, views: dict[Role, RoleView] | None = None,
+                  return_after: Mapping[Role, float] | None = None) -> float:
+    """φ of one replica (the scalar form of what `plan_for` computes in bulk); with `views`, its trip back
+    (`return_trip_s`)."""
     dur = costs.duration(rep.role, to_role) + costs.fetch_delta(rep.devices, to_role)
     lost = dur * rep.model.rate(rep.n) * view.weight
     reprefill = view.g * rep.context / prefill_rate if prefill_rate > 0 else 0.0
-    back = 0.0 if views is None else return_trip_s(views, rep.role, to_role, costs) * view.g
+    back = 0.0 if views is None else return_trip_s(views, rep.role, to_role, costs, return_after) * view.g
     return lost + reprefill + back
 
 
@@ -124,15 +126,25 @@ def fetch_extra(state: ClusterState, pool: DonorPool, to_role: Role, costs: Shif
 
 
 def return_trip_s(views: dict[Role, RoleView], role: Role | None, to_role: Role,
-                  costs: ShiftCostModel) -> float:
-    """Seconds per device a donor of `role` will spend shifting back: the first stage, while it is done for
-    this iteration, is idle only until the next one starts with all of its work, so a device it lends
-    downstream for this iteration's tail must return (see
-    docs/decisions.md#a-lent-rollout-device-pays-its-way-back). 0 for every other donor."""
+                  costs: ShiftCostModel, return_after: Mapping[Role, float] | None = None) -> float:
+    """Seconds per device that a donor of `role` moved to `to_role` will be missed on its way back.
+
+    The first stage, while it is done for this iteration, is idle only until the next one starts with all
+    of its work, so a device it lends downstream for this iteration's tail must return: its whole trip
+    (docs/decisions.md#a-lent-rollout-device-pays-its-way-back). A later role's device moved downstream
+    (a judge device to train) returns at the next iteration's opening too, where that opening restores a
+    split (`return_after`: seconds into the next iteration when half of each role's items have reached it,
+    on the split). It is missed there only for the part of its trip after that: before it, its role is still
+    filling (docs/decisions.md, "A judge device lent to train pays for its trip back"). 0 for any other
+    donor, and for a later role without `return_after`."""
     first = PIPELINE[0]
-    if role is not first or first not in views or not views[first].done:
+    if role is first:
+        if first not in views or not views[first].done:
+            return 0.0
+        return costs.duration(to_role, first)
+    if return_after is None or role not in PIPELINE or PIPELINE.index(to_role) <= PIPELINE.index(role):
         return 0.0
-    return costs.duration(to_role, first)
+    return max(costs.duration(to_role, role) - return_after.get(role, 0.0), 0.0)
 
 
 def donor_pools(state: ClusterState, views: dict[Role, RoleView], now: float) -> list[DonorPool]:
@@ -174,7 +186,8 @@ def arrival_s(costs: ShiftCostModel, u: Role) -> float:
     return min(costs.duration(r, u) for r in PIPELINE if r is not u)
 
 
-def plan(state: ClusterState, costs: ShiftCostModel, now: float, opens_colocated: bool = False) -> PlanResult:
+def plan(state: ClusterState, costs: ShiftCostModel, now: float, opens_colocated: bool = False,
+         return_after: Mapping[Role, float] | None = None) -> PlanResult:
     """Run the five steps. Roles are tried as shift-up role in decreasing τ, after the role that holds the
     iteration up if one does (`drain_floor`); the first whose best candidate clears the margin wins. (A
     role can be furthest behind yet unable to use a device — a tail of fewer sequences than replicas — in
@@ -182,7 +195,9 @@ def plan(state: ClusterState, costs: ShiftCostModel, now: float, opens_colocated
 
     ``opens_colocated``: the next iteration opens with every device on the first stage, so a device moved
     to train in the rollouts' tail makes no trip back of its own, and `keeps_up` is asked only once the
-    rollouts are done (asked earlier, the paper reconstruction, which opens colocated, lost 0.8 %)."""
+    rollouts are done (asked earlier, the paper reconstruction, which opens colocated, lost 0.8 %).
+    ``return_after``: where the next iteration opens on a split, when half of each role's items reach it
+    there; a device moved downstream then pays for its trip back (`return_trip_s`)."""
     cfg = state.config
     views = role_views(state, cfg.horizon_s, now)
     taus = tau(views)
@@ -206,7 +221,7 @@ def plan(state: ClusterState, costs: ShiftCostModel, now: float, opens_colocated
         if keeps_up(state, views, u, 0.0 if opens_colocated else arrival_s(costs, u)):
             tried.append(f"{u}: drains before the tail upstream of it ends")
             continue
-        ev = plan_for(state, costs, views, pools, u, threshold, floors)
+        ev = plan_for(state, costs, views, pools, u, threshold, floors, return_after)
         tried.append(f"{u}: {ev.note}")
         if shown is None or (shown.xs.size == 0 and ev.xs.size > 0):
             shown = ev  # with nothing chosen, show the most-behind role that had candidates
@@ -251,7 +266,8 @@ class _Evaluation:
 
 def plan_for(state: ClusterState, costs: ShiftCostModel, views: dict[Role, RoleView],
              pools: list[DonorPool], u: Role, threshold: float,
-             floors: dict[Role, float | None]) -> _Evaluation:
+             floors: dict[Role, float | None],
+             return_after: Mapping[Role, float] | None = None) -> _Evaluation:
     """Steps 2-5 for shift-up role `u`; `floors` is `drain_floor` of every role, which `plan` has
     already: u's own prices its gain, a donor's its loss."""
     cfg = state.config
@@ -271,7 +287,8 @@ def plan_for(state: ClusterState, costs: ShiftCostModel, views: dict[Role, RoleV
             # its devices spend mostly shifting (see docs/decisions.md#a-shift-never-outlasts-its-horizon).
             continue
         extra = fetch_extra(state, pool, u, costs)
-        phi = (dur + extra) * pool.lost + pool.reprefill + return_trip_s(views, pool.role, u, costs) * pool.g
+        back = return_trip_s(views, pool.role, u, costs, return_after)
+        phi = (dur + extra) * pool.lost + pool.reprefill + back * pool.g
         order = np.lexsort((extra, phi))  # equal φ (idle donors): the one holding the weights first
         layers.append((pool, order, phi[order]))
     if not layers:

@@ -124,24 +124,34 @@ def random_state(seed: int) -> tuple[ClusterState, ShiftCostModel, float]:
     return stt, costs, now
 
 
+def random_return_after(seed: int) -> dict[Role, float] | None:
+    """None (no opening to return to), or when half of each later role's items reach it next iteration."""
+    rng = random.Random(f"return:{seed}")
+    if rng.random() < 0.4:
+        return None
+    return {Role.REWARD: rng.choice([0.0, rng.uniform(0.0, 12.0)]), Role.TRAIN: rng.uniform(0.0, 12.0)}
+
+
 def brute_force_best(stt: ClusterState, costs: ShiftCostModel, now: float, u: Role,
-                     clearing: bool = False) -> float | None:
+                     clearing: bool = False, return_after: dict[Role, float] | None = None) -> float | None:
     """Best B over every subset of donors (free devices and eligible replicas), by direct evaluation;
     with `clearing`, only over subsets whose B clears the margin (hysteresis × H × devices moved, or 0
     for a role with work and no replica)."""
-    if _BF_CACHE.get("state") is not stt:  # holding the state keeps its id from being reused
+    # holding the state keeps its id from being reused
+    if _BF_CACHE.get("state") is not stt or _BF_CACHE.get("return_after") is not return_after:
         _BF_CACHE.clear()
         _BF_CACHE["state"] = stt
+        _BF_CACHE["return_after"] = return_after
     if u not in _BF_CACHE:
-        _BF_CACHE[u] = _brute_force(stt, costs, now, u)
+        _BF_CACHE[u] = _brute_force(stt, costs, now, u, return_after)
     return _BF_CACHE[u][1 if clearing else 0]
 
 
 _BF_CACHE: dict = {}
 
 
-def _brute_force(stt: ClusterState, costs: ShiftCostModel, now: float, u: Role) -> tuple[float | None,
-                                                                                       float | None]:
+def _brute_force(stt: ClusterState, costs: ShiftCostModel, now: float, u: Role,
+                 return_after: dict[Role, float] | None = None) -> tuple[float | None, float | None]:
     cfg = stt.config
     views = role_views(stt, cfg.horizon_s, now)
     donors: list[tuple[Role | None, int, float]] = [(None, 1, 0.0) for _ in stt.free_devices()]
@@ -157,8 +167,9 @@ def _brute_force(stt: ClusterState, costs: ShiftCostModel, now: float, u: Role) 
             exempt = d is Role.ROLLOUT and first_done and not rep.running
             if not exempt and any(now - stt.device_shifted_at[x] < cfg.cooldown_s for x in rep.devices):
                 continue
-            donors.append((d, views[d].g, donor_penalty(rep, views[d], costs, u,
-                                                       cfg.spec(d).prefill_tokens_per_s, views)))
+            prefill = cfg.spec(d).prefill_tokens_per_s
+            phi = donor_penalty(rep, views[d], costs, u, prefill, views, return_after)
+            donors.append((d, views[d].g, phi))
     vu = views[u]
     max_x = math.floor(cfg.max_shift_fraction * len(stt.device_role) + 1e-9)
     per_device = 0.0 if vu.replicas == 0 else cfg.hysteresis * cfg.horizon_s
@@ -220,7 +231,8 @@ def _brute_force(stt: ClusterState, costs: ShiftCostModel, now: float, u: Role) 
 @given(seed=st.integers(0, 2**32 - 1))
 def test_dp_matches_brute_force_and_never_returns_nonpositive_benefit(seed: int) -> None:
     stt, costs, now = random_state(seed)
-    res = plan(stt, costs, now)
+    ra = random_return_after(seed)
+    res = plan(stt, costs, now, False, ra)
     if res.to_role is None:
         assert res.chosen is None
         return
@@ -236,15 +248,15 @@ def test_dp_matches_brute_force_and_never_returns_nonpositive_benefit(seed: int)
         return keeps_up(stt, views, r, arrival_s(costs, r))
 
     for r in order[: order.index(res.to_role)]:
-        assert skipped(r) or brute_force_best(stt, costs, now, r, clearing=True) is None
+        assert skipped(r) or brute_force_best(stt, costs, now, r, clearing=True, return_after=ra) is None
     assert not skipped(res.to_role)
     if res.chosen is None:  # nothing clears the margin for any role
         for r in order:
-            assert skipped(r) or brute_force_best(stt, costs, now, r, clearing=True) is None
-    bf = brute_force_best(stt, costs, now, res.to_role)
+            assert skipped(r) or brute_force_best(stt, costs, now, r, clearing=True, return_after=ra) is None
+    bf = brute_force_best(stt, costs, now, res.to_role, return_after=ra)
     if not res.reasoning.candidates:
         # Either no feasible subset, or the DP was skipped because even u's raw gain cannot clear the margin.
-        assert brute_force_best(stt, costs, now, res.to_role, clearing=True) is None
+        assert brute_force_best(stt, costs, now, res.to_role, clearing=True, return_after=ra) is None
     else:
         assert bf is not None
         dp = max(c.benefit for c in res.reasoning.candidates)
@@ -253,7 +265,7 @@ def test_dp_matches_brute_force_and_never_returns_nonpositive_benefit(seed: int)
         margin = res.reasoning.threshold * res.chosen.devices
         assert res.chosen.benefit > 0
         assert res.chosen.benefit > margin
-        best_clearing = brute_force_best(stt, costs, now, res.to_role, clearing=True)
+        best_clearing = brute_force_best(stt, costs, now, res.to_role, clearing=True, return_after=ra)
         assert res.chosen.benefit == pytest.approx(best_clearing, rel=1e-9, abs=1e-9)
         assert res.chosen.devices % stt.config.devices_per_replica(res.to_role) == 0
         assert len(res.donors) == len(res.chosen.donors)
