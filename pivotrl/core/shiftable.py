@@ -142,12 +142,12 @@ class Shiftable(Policy):
                 return back
         # With staleness the next rollouts start when these end, on the devices they hold then: a device
         # moved to train in their tail is wanted back at once, colocated opening or not.
-        opens_colocated = (choice is not None and choice.opens_colocated()
-                           and state.config.max_staleness == 0)
+        on_policy = state.config.max_staleness == 0
+        opens_colocated = choice is not None and choice.opens_colocated() and on_policy
         # On-policy, the next iteration's opening on a split takes back a judge device lent to train: it
         # pays for that trip from when its role has half of its items (`planner.return_trip_s`).
         return_after = None
-        if (choice is not None and not opens_colocated and state.config.max_staleness == 0
+        if (on_policy and choice is not None and not opens_colocated
                 and state.plan is not None and not state.plan.last_iteration):
             return_after = choice.half_work_s or None
         result = planner.plan(state, costs, now, opens_colocated, return_after)
