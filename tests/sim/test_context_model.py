@@ -12,13 +12,19 @@ import numpy as np
 import pytest
 
 from pivotrl.core.makespan import static_makespans
-from pivotrl.core.types import PIPELINE
+from pivotrl.core.types import PIPELINE, Role
 from pivotrl.sim.compare import model_stages, simulate
 from pivotrl.sim.randomized import draw_config
 from pivotrl.sim.workload import draw_lengths, mean_position
 
 
 def test_a_long_tailed_draws_static_makespans_and_their_order_follow_the_simulator() -> None:
+    """The rollouts' end, which the context prices, within 4 % (3.3 % with 12 rollout devices); the
+    whole split within 10 % and the splits ranked as the simulator ranks them. The whole split ran within
+    3 % while a group's completion was its typical member plus `group_lag`: that lag's 17 s (the longest
+    of two judgements of a long tail) offset the judge stage ending 3 s early here, where the late
+    judgements are of the longest rollouts (`docs/decisions.md`, "A group completes no later than its
+    members would independently")."""
     cfg, draw = draw_config(36, quick=True)
     assert draw.shape == "unimodal" and cfg.workload.response_len.sigma > 0.8  # a long tail
     st = model_stages(cfg)
@@ -29,9 +35,12 @@ def test_a_long_tailed_draws_static_makespans_and_their_order_follow_the_simulat
     for split in splits:
         reps = {r: np.asarray([float(split[str(r)] // st[r].g)]) for r in PIPELINE}
         model.append(float(static_makespans(st, reps)[0]))
-        sim.append(simulate(cfg, "disaggregated", split, iterations=1, record=False).iterations[0]["total_s"])
+        ran = simulate(cfg, "disaggregated", split, iterations=1, record=False).iterations[0]
+        sim.append(ran["total_s"])
+        rollouts_end = float(st[Role.ROLLOUT].timing(reps[Role.ROLLOUT])[1][0])
+        assert rollouts_end == pytest.approx(ran["rollout_s"], rel=0.04)
     for m, s in zip(model, sim):
-        assert m == pytest.approx(s, rel=0.03)
+        assert m == pytest.approx(s, rel=0.10)
     assert int(np.argmin(model)) == int(np.argmin(sim))
 
 
