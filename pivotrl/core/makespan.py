@@ -198,14 +198,23 @@ def best_static(st: dict[Role, Stage], n_devices: int) -> tuple[dict[Role, int],
     return split, t
 
 
+#: The most splits `ranked` gives the full prediction (16 batches of 512).
+MAX_FULL_SPLITS = 8192
+
+
 def ranked(st: dict[Role, Stage], reps: dict[Role, np.ndarray], k: int,
            batch: int = 512) -> list[tuple[int, float]]:
     """The `k` splits of `reps` (replicas per role, 1-d arrays) with the lowest full `static_makespans`,
-    best first, as (index, prediction): the bound-ordered search `best_static` describes."""
+    best first, as (index, prediction): the bound-ordered search `best_static` describes, over at most
+    `MAX_FULL_SPLITS` splits in bound order. Where the lengths' tail sets the makespan on almost every
+    split, the bound sits a few percent under the full prediction everywhere: on random draw 31 (757
+    devices) 175k splits of 285k had a bound under the best full prediction, all within 0.1 s of it,
+    and pricing them all took 10 s at every iteration start. Exact whenever the search ends sooner (every
+    cluster with fewer splits, and most draws of up to 1,024 devices)."""
     bound = static_makespans(st, reps, last_end=False)
     order = np.argsort(bound, kind="stable")
     found: list[tuple[float, int]] = []
-    for lo in range(0, order.size, batch):
+    for lo in range(0, min(order.size, max(MAX_FULL_SPLITS, batch)), batch):
         idx = order[lo : lo + batch]
         if len(found) >= k and found[k - 1][0] <= bound[idx[0]]:
             break
