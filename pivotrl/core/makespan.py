@@ -180,9 +180,10 @@ def best_static(st: dict[Role, Stage], n_devices: int) -> tuple[dict[Role, int],
     whole replicas (numpy over the (rollout, reward) grid; train takes what is left: with a data-parallel
     loss of at most half per doubling, more train replicas never drain slower). None if none fits.
 
-    Exact but cheap: every split is priced without `Stage.last_end`'s integral (a lower bound), then the full
-    prediction is computed for the splits in order of that bound, a batch at a time, until the best full
-    prediction is no worse than the next bound."""
+    Cheap, and exact unless the search is cut short: every split is priced without `Stage.last_end`'s
+    integral (a lower bound), then the full prediction is computed for the splits in order of that bound,
+    a batch at a time, until the best full prediction is no worse than the next bound, or for the first
+    `MAX_FULL_SPLITS` of them (`ranked`)."""
     ro, rw, tr = (st[r] for r in PIPELINE)
     a = np.arange(1, n_devices // ro.g + 1)
     b = np.arange(1, n_devices // rw.g + 1)
@@ -209,8 +210,9 @@ def ranked(st: dict[Role, Stage], reps: dict[Role, np.ndarray], k: int,
     `MAX_FULL_SPLITS` splits in bound order. Where the lengths' tail sets the makespan on almost every
     split, the bound sits a few percent under the full prediction everywhere: on random draw 31 (757
     devices) 175k splits of 285k had a bound under the best full prediction, all within 0.1 s of it,
-    and pricing them all took 10 s at every iteration start. Exact whenever the search ends sooner (every
-    cluster with fewer splits, and most draws of up to 1,024 devices)."""
+    and pricing them all took 10 s at every iteration start. Exact whenever the search ends sooner: on
+    every cluster with at most `MAX_FULL_SPLITS` splits, and on most of the random draws of up to 1,024
+    devices."""
     bound = static_makespans(st, reps, last_end=False)
     order = np.argsort(bound, kind="stable")
     found: list[tuple[float, int]] = []
