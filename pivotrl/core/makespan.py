@@ -81,7 +81,7 @@ def member_left(fg: float, g: int, n: float) -> float:
     incomplete, if members end independently: a group is complete with all g of its members, so
     1 − fg = (1 − f)^g (at least one of the n items). Members submitted together end no later than
     independent ones would (their end times are positively associated: a shared start, FIFO queues), so
-    this prices a group's completion from above whatever its members' correlation. Read on the simulator's
+    this prices a group's completion from above however strongly they are associated. Read on the simulator's
     own judgement times it gives the simulator's group completions to within 0.6 s from the first 5 % of
     the groups on (1.4 s for the first 1 %) on random draws 33 and 36, where a typical member plus
     `group_lag` was up to 15 s late."""
@@ -282,7 +282,10 @@ def work_arrives(st: dict[Role, Stage], split: dict[Role, int],
     # `emitted` and `after` take the fraction still to come: all but it has arrived
     rollouts_left = 1.0 - (1.0 / n if share is None else share)
     groups_left = max(1.0 - (1.0 / groups if share is None else share), 1.0 / n)
-    # a group completes a group lag after the first of its members is judged (`static_makespans`)
+    # a group completes a group lag after its typical member is judged: `static_makespans`' "members
+    # together" view, without its cap at members ending independently (`member_left`), which lost more
+    # random draws here (docs/decisions.md, "A group completes no later than its members would
+    # independently")
     lag = group_lag(ro, rw, m[Role.ROLLOUT], m[Role.REWARD], max(tr.group, 1))
     return {
         Role.REWARD: float(ro.emitted(m[Role.ROLLOUT], rollouts_left)),
