@@ -125,6 +125,7 @@ def shift_up(state: ClusterState, role: Role, newcomers: list[str]) -> tuple[dic
     (cheap to prefill again; `cheapest_recent`).
     """
     assignments = dispatch_role(state, role)
+    fresh = {a.seq_id: i for i, a in enumerate(assignments)}  # placed by this call: started nowhere yet
     if len(state.queues[role]):
         return {}, assignments  # still work waiting: the newcomers are full, nothing to rebalance
     reps = state.active(role)
@@ -148,9 +149,14 @@ def shift_up(state: ClusterState, role: Role, newcomers: list[str]) -> tuple[dic
         if not taker.fits(state.kv_need(victim)):
             continue  # this newcomer cannot hold it: it stops taking
         heapq.heappop(givers)
-        state.move(victim, taker)  # Abort on the donor + Dispatch to the newcomer, without a queue trip
-        aborts.setdefault(giver.replica_id, []).append(victim.seq_id)
-        assignments.append(Assignment(victim.seq_id, taker.replica_id))
+        sid = victim.seq_id
+        state.move(victim, taker, started=sid not in fresh)
+        if sid in fresh:  # placed on the donor a moment ago: placed on the newcomer instead, no abort
+            assignments[fresh[sid]] = Assignment(sid, taker.replica_id)
+        else:  # Abort on the donor + Dispatch to the newcomer, without a queue trip
+            aborts.setdefault(giver.replica_id, []).append(sid)
+            fresh[sid] = len(assignments)
+            assignments.append(Assignment(sid, taker.replica_id))
         if taker.n < taker.max_seqs:
             heapq.heappush(takers, (-taker.model.marginal_gain(taker.n), ti, taker))
         if giver.n > 0:

@@ -238,9 +238,11 @@ class ClusterState:
         seq.state = SeqState.WAITING
         self._enqueue(seq)
 
-    def move(self, seq: Sequence, dst: Replica) -> None:
+    def move(self, seq: Sequence, dst: Replica, started: bool = True) -> None:
         """Abort `seq` on its replica and resume it on `dst` at once (a migration that skips the queue;
-        the caller has checked `dst` has room). Same bookkeeping as `abort` then `start`, done once."""
+        the caller has checked `dst` has room). Same bookkeeping as `abort` then `start`, done once.
+        `started=False`: it was placed on its replica by the same decision and never ran there, so it
+        is moved, not aborted (its abort count stays)."""
         src = self.replicas[seq.replica_id]  # type: ignore[index]
         rem, ctx, need = seq.remaining_estimate(), seq.context_tokens, self.kv_need(seq)
         del src.running[seq.seq_id]
@@ -251,7 +253,7 @@ class ClusterState:
             src.remaining = 0.0
         src.left(seq)
         self.blocked[seq.role] = False
-        seq.aborts += 1
+        seq.aborts += int(started)
         seq.replica_id = dst.replica_id
         seq.kv_reserved = need
         dst.running[seq.seq_id] = seq
