@@ -32,7 +32,8 @@ def static_makespans(
     judgements, counts the stage's long tail a second time; and no sooner than members ending
     independently in the order the first stage admits their groups, judged on arrival
     (`groups_complete`). Train then still has fg of its work to drain. Train ends with the latest of
-    those, its own drain, and one step after the last judgement; then it syncs (`Stage.sync`).
+    those and its own drain (its backlog), or one step after the last judgement, whichever is later in
+    expectation over the last judgement's random length (`later_of`); then it syncs (`Stage.sync`).
 
     `last_end=False` takes only the cheap part of `Stage.last_end` and leaves out `groups_complete`: never
     above the full prediction, so it bounds a search from below (`best_static`). A split whose prediction
@@ -52,11 +53,14 @@ def static_makespans(
     t_rw = np.maximum(last, rw.timing(m_rw)[1])
     t_rw = np.maximum(t_rw, rw.last_end(up, m_rw, exact=last_end, starts=starts))
     drain_tr, e_tr = tr.timing(m_tr)
-    end = np.maximum(e_tr, t_rw + tr.last_item_s())
+    tail = tr.last_item_s()
+    backlog = e_tr - tail  # train's own ends, less the one step after the last judgement
     lag = group_lag(ro, rw, m_ro, m_rw, g)
     for fg, together, bound in zip(fgs, judged, independent):
-        end = np.maximum(end, np.minimum(together + lag, bound) + fg * drain_tr)
-    end = end + tr.sync(m_tr)
+        backlog = np.maximum(backlog, np.minimum(together + lag, bound) + fg * drain_tr - tail)
+    spread = rw.end_spread
+    sync = tr.sync(m_tr)
+    end = later_of(backlog, t_rw, spread) + tail + sync
     if not last_end or g == 1:  # a group of one is complete with its judgement: the terms above price it
         return end
     shape = np.broadcast(end, m_ro, m_rw, last, drain_tr).shape
@@ -68,12 +72,23 @@ def static_makespans(
     def cols(x: np.ndarray) -> np.ndarray:
         return np.broadcast_to(np.asarray(x, dtype=float), shape)[sel]
 
-    sync = cols(tr.sync(m_tr))
     apart = groups_complete(ro, rw, cols(m_ro), cols(m_rw), g, fgs, {f: cols(t) for f, t in up.items()},
                             horizon=cols(last))
+    backlog = cols(backlog)
     for fg, t in zip(fgs, apart):
-        end[sel] = np.maximum(end[sel], t + fg * cols(drain_tr) + sync)
+        backlog = np.maximum(backlog, t + fg * cols(drain_tr) - tail)
+    end[sel] = later_of(backlog, cols(t_rw), spread) + tail + cols(sync)
     return end
+
+
+def later_of(backlog: np.ndarray, judged: np.ndarray, spread: tuple[float, ...]) -> np.ndarray:
+    """The expected later of train's `backlog` (when it is done with everything judged before the last
+    judgement) and the last judgement, expected at `judged`, which ends `spread` earlier or later with
+    equal chances (`Stage.end_spread`). Why not the later of the two expectations: the last judgement is
+    the longest of n items, and where train's backlog ends near its expected end, the iteration waits for
+    train in the draws where the judge stage ends early; the later of the expectations prices a train
+    share that only just keeps up as free."""
+    return sum(np.maximum(backlog, judged + d) for d in spread) / len(spread)
 
 
 def member_left(fg: float, g: int, n: float) -> float:

@@ -29,6 +29,9 @@ MEDIAN = TAIL_FRACTIONS.index(0.5)
 #: Time steps of `Stage.last_end`'s integral (its error is under half a step of the stage's span).
 LAST_END_STEPS = 48
 
+#: Levels of the distribution of the longest item's length that `Stage.end_spread` reads.
+LONGEST_LEVELS = tuple((j + 0.5) / 8 for j in range(8))
+
 #: Rounds of slots `Stage.admitted` looks back one by one; beyond them only the earliest round counts.
 ADMISSION_ROUNDS = 6
 
@@ -114,6 +117,32 @@ class Stage:
         fs.append(1.0 / n)
         ls.append(self.longest)
         return np.asarray(fs), np.maximum.accumulate(np.asarray(ls, dtype=float))
+
+    @cached_property
+    def longest_spread(self) -> np.ndarray:
+        """How far the longest of the stage's n items may be from `longest`, in tokens: its length at
+        `LONGEST_LEVELS` of its distribution (P(longest ≤ x) = (1 − f(x))^n, f read off the tail, past
+        the 1/n point where the profile knows it), less their mean. Centred, so that pricing over it
+        keeps the expected end and adds only the chance that the last item ends before or after
+        something else (`end_spread`)."""
+        n = max(self.seqs, 1.0)
+        pts = [(1.0 / (n + 1.0), self.longest)]
+        known = zip(TAIL_FRACTIONS, self.tail) if self.tail else [(0.5, self.mean)]
+        pts += [(f, x) for f, x in known if f < 1.0]
+        pts.sort(key=lambda p: -p[0])
+        fs = np.asarray([p[0] for p in pts])
+        ls = np.maximum.accumulate(np.asarray([p[1] for p in pts], dtype=float))
+        want = -np.log(np.asarray(LONGEST_LEVELS)) / n  # 1 − p^(1/n), for n large
+        x = np.interp(-np.log(np.clip(want, fs[-1], fs[0])), -np.log(fs), ls)
+        return x - x.mean()
+
+    @cached_property
+    def end_spread(self) -> tuple[float, ...]:
+        """Seconds by which the stage's last item may end before or after its expected end, one per level
+        of `longest_spread`: the tokens by which the longest item is longer or shorter are its last ones,
+        decoded after every other item has ended, so alone, at one item's step."""
+        lone = float(self.step(np.asarray(1.0)))
+        return tuple(float(d) * lone for d in self.longest_spread)
 
     def length_at(self, f: np.ndarray) -> np.ndarray:
         """The length exceeded by a fraction `f` of the items (log-interpolated between the points)."""

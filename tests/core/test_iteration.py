@@ -27,6 +27,7 @@ from pivotrl.core.makespan import (
     best_static,
     group_lag,
     groups_complete,
+    later_of,
     member_left,
     moved_makespan,
     ranked,
@@ -476,7 +477,8 @@ def test_train_waits_for_whole_groups() -> None:
 def test_train_never_waits_past_the_last_judgement_and_its_own_drain(
         stg: dict[Role, Stage], split: tuple[int, int, int], spread: float, g: int) -> None:
     """Every group is complete once the last judgement is: whatever the lengths' tail and the group size,
-    train ends no later than the judge stage's own end plus train's whole drain, its step and its sync.
+    train ends no later than the judge stage's own end (at its latest, the longest judgement at the top
+    of `Stage.end_spread`) plus train's whole drain, its step and its sync.
     (Before, a group's completion was its typical member's plus `group_lag`, even where that lag, the
     longest of G heavy-tailed judgements, reached past the last judgement: random draw 302, groups of 64,
     put train's end 35 s after it; the simulator's split ended 3 s after it.)"""
@@ -487,6 +489,7 @@ def test_train_never_waits_past_the_last_judgement_and_its_own_drain(
     up = ro.emissions(reps[Role.ROLLOUT])
     judged = max(float(rw.after(up, reps[Role.REWARD], 1.0 / 2048.0)), float(rw.timing(reps[Role.REWARD])[1]),
                  float(rw.last_end(up, reps[Role.REWARD])))
+    judged += max(rw.end_spread)
     drain, end = tr.timing(reps[Role.TRAIN])
     ceiling = max(float(end), judged + float(drain) + tr.last_item_s()) + float(tr.sync(reps[Role.TRAIN]))
     assert float(static_makespans(stg, reps)) <= ceiling * (1 + 1e-9) + 1e-9
@@ -1052,3 +1055,49 @@ def test_the_train_line_holds_at_one_replica_before_samples_and_at_the_replicas_
 def test_a_data_parallel_efficiency_outside_zero_to_one_is_refused(dp: float) -> None:
     with pytest.raises(ValueError, match="dp_efficiency_per_doubling"):
         RoleSpec(dp_efficiency_per_doubling=dp)
+
+
+@FEW
+@given(stage=stage_strategy(Role.REWARD), spread=st.sampled_from([1.0, 1.2, 3.0, 100.0]),
+       seqs=st.sampled_from([16.0, 2048.0, 1e6]))
+def test_the_longest_items_spread_is_centred_and_grows_with_the_level(stage: Stage, spread: float,
+                                                                      seqs: float) -> None:
+    """The longest of n items at rising levels of its distribution is never shorter, the offsets average
+    to zero (the expected end is kept), and lengths that do not vary leave nothing to spread."""
+    s = dataclasses.replace(tailed(stage, spread), seqs=seqs)
+    d = np.asarray(s.longest_spread)
+    assert np.all(np.diff(d) >= -1e-9 * s.longest)
+    assert abs(float(d.mean())) <= 1e-9 * s.longest
+    assert len(s.end_spread) == len(d)
+    flat = dataclasses.replace(stage, seqs=seqs, tail=(stage.longest,) * len(TAIL_FRACTIONS))
+    assert np.allclose(flat.longest_spread, 0.0) and np.allclose(flat.end_spread, 0.0)
+
+
+@FEW
+@given(backlog=st.floats(0, 1000), judged=st.floats(0, 1000), width=st.floats(0, 100),
+       more=st.floats(0, 50))
+def test_the_later_of_train_and_a_random_last_judgement(backlog: float, judged: float, width: float,
+                                                        more: float) -> None:
+    """Never before either expectation; exactly the later one when the other cannot come later at any
+    level; and a later backlog or judgement never ends the iteration sooner."""
+    spread = tuple(width * (j - 3.5) / 3.5 for j in range(8))
+    t = float(later_of(np.asarray(backlog), np.asarray(judged), spread))
+    assert t >= max(backlog, judged) - 1e-9
+    if backlog <= judged + min(spread):
+        assert t == pytest.approx(judged)
+    if backlog >= judged + max(spread):
+        assert t == pytest.approx(backlog)
+    assert float(later_of(np.asarray(backlog + more), np.asarray(judged), spread)) >= t - 1e-9
+    assert float(later_of(np.asarray(backlog), np.asarray(judged + more), spread)) >= t - 1e-9
+
+
+def test_a_train_share_that_only_just_keeps_up_is_not_free() -> None:
+    """Train's backlog ending a little before the expected last judgement ends the iteration later than
+    that judgement, in the draws where the judge stage ends early; a backlog that ends well before it
+    does not. The later of the two expectations priced both the same."""
+    judge = tailed(Stage(Role.REWARD, 1, 2048.0, 200.0, 2000.0, 0.01, 2e-5, 1.0, 256.0, 0.0, True), 10.0)
+    assert max(judge.end_spread) - min(judge.end_spread) > 1.0
+    judged = np.asarray(100.0)
+    just = later_of(np.asarray(99.0), judged, judge.end_spread)
+    ample = later_of(np.asarray(60.0), judged, judge.end_spread)
+    assert float(just) > float(ample) == pytest.approx(100.0)
