@@ -1106,3 +1106,18 @@ def test_a_train_share_that_only_just_keeps_up_is_not_free() -> None:
     just = later_of(np.asarray(99.0), judged, judge.end_spread)
     ample = later_of(np.asarray(60.0), judged, judge.end_spread)
     assert float(just) > float(ample) == pytest.approx(100.0)
+
+
+@FEW
+@given(stage=stage_strategy(Role.REWARD), t=st.floats(0, 500), fa=st.floats(0, 1), drain=st.floats(0.01, 500))
+def test_a_replica_has_left_what_is_to_come_and_what_it_cannot_have_done(stage: Stage, t: float, fa: float,
+                                                                         drain: float) -> None:
+    """At least the share still to come, at least what a full-rate replica could not have decoded by `t`,
+    never more than all of its work, and never more later."""
+    per = np.asarray(max(stage.seqs / 3.0, 1.0))
+    mine = float(per) * stage.mean
+    left = float(stage.left_at(np.asarray(t), fa, per, np.asarray(drain)))
+    assert left >= fa * mine - 1e-9 * mine
+    assert left >= mine * (1.0 - t / drain) - 1e-9 * mine
+    assert left <= mine * (1.0 + 1e-9)
+    assert float(stage.left_at(np.asarray(t + 1.0), fa, per, np.asarray(drain))) <= left + 1e-9 * mine

@@ -35,3 +35,25 @@ def test_before_any_measurement_the_model_ranks_a_judge_bound_draws_splits_as_th
         sim.append(simulate(cfg, "disaggregated", split, iterations=1, record=False).iterations[0]["total_s"])
     assert sim[1] < sim[0] * 0.95  # the simulator's order, by a clear margin
     assert model[1] < model[0]
+
+
+def test_a_long_judge_stage_ends_with_the_rollouts_it_waits_for() -> None:
+    """Random draw 117: judgements of 1,676 tokens on average (a few capped at 8,192) after rollouts of
+    4–9 s. The late long judgements run beside the early ones, still running, so the judge stage ends
+    later when the rollouts end later: the simulator runs 26 / 148 / 10 in 122.3 s and 10 / 160 / 14 in
+    126.2 s, and the model must rank them the same way (`Stage.left_at`; priced alone, the late items
+    made the second split look 0.8 s faster)."""
+    cfg, draw = draw_config(117, quick=True)
+    assert draw.devices == 185 and draw.devices_per_replica["reward"] == 4
+    ctl = build_controller(cfg, "disaggregated")
+    ctl.state.plan = iteration_plan(cfg, 0)
+    st = stages(ctl.state, ctl.shift_costs, None)
+    assert st is not None
+    splits = ({"rollout": 10, "reward": 160, "train": 14}, {"rollout": 26, "reward": 148, "train": 10})
+    model, sim = [], []
+    for split in splits:
+        reps = {r: np.asarray([float(split[str(r)] // st[r].g)]) for r in PIPELINE}
+        model.append(float(static_makespans(st, reps)[0]))
+        sim.append(simulate(cfg, "disaggregated", split, iterations=1, record=False).iterations[0]["total_s"])
+    assert sim[1] < sim[0] * 0.98
+    assert model[1] < model[0]
