@@ -14,25 +14,39 @@ import numpy as np
 
 from pivotrl.core.iteration import stages
 from pivotrl.core.makespan import static_makespans
-from pivotrl.core.types import PIPELINE
+from pivotrl.core.stage import Stage
+from pivotrl.core.types import PIPELINE, Role
 from pivotrl.sim.compare import simulate
+from pivotrl.sim.config import SimConfig
 from pivotrl.sim.driver import build_controller, iteration_plan
 from pivotrl.sim.randomized import draw_config
 
 
-def test_before_any_measurement_the_model_ranks_a_judge_bound_draws_splits_as_the_simulator() -> None:
-    cfg, draw = draw_config(349, quick=True)
-    assert draw.group_size == 32 and draw.devices == 146
+def _prior_stages(cfg: SimConfig) -> dict[Role, Stage] | None:
+    """core's stages of iteration 0 before anything is measured: the configured distributions, no profile."""
     ctl = build_controller(cfg, "disaggregated")
     ctl.state.plan = iteration_plan(cfg, 0)
-    st = stages(ctl.state, ctl.shift_costs, None)  # the priors: configured distributions, no profile
-    assert st is not None
-    splits = ({"rollout": 62, "reward": 66, "train": 18}, {"rollout": 44, "reward": 66, "train": 36})
+    return stages(ctl.state, ctl.shift_costs, None)
+
+
+def _priced_and_run(cfg: SimConfig, st: dict[Role, Stage], splits: tuple[dict[str, int], ...]
+                    ) -> tuple[list[float], list[float]]:
+    """Each split's makespan by the model and by the simulator (iteration 0)."""
     model, sim = [], []
     for split in splits:
         reps = {r: np.asarray([float(split[str(r)] // st[r].g)]) for r in PIPELINE}
         model.append(float(static_makespans(st, reps)[0]))
         sim.append(simulate(cfg, "disaggregated", split, iterations=1, record=False).iterations[0]["total_s"])
+    return model, sim
+
+
+def test_before_any_measurement_the_model_ranks_a_judge_bound_draws_splits_as_the_simulator() -> None:
+    cfg, draw = draw_config(349, quick=True)
+    assert draw.group_size == 32 and draw.devices == 146
+    st = _prior_stages(cfg)
+    assert st is not None
+    splits = ({"rollout": 62, "reward": 66, "train": 18}, {"rollout": 44, "reward": 66, "train": 36})
+    model, sim = _priced_and_run(cfg, st, splits)
     assert sim[1] < sim[0] * 0.95  # the simulator's order, by a clear margin
     assert model[1] < model[0]
 
@@ -45,15 +59,9 @@ def test_a_long_judge_stage_ends_with_the_rollouts_it_waits_for() -> None:
     made the second split look 0.8 s faster)."""
     cfg, draw = draw_config(117, quick=True)
     assert draw.devices == 185 and draw.devices_per_replica["reward"] == 4
-    ctl = build_controller(cfg, "disaggregated")
-    ctl.state.plan = iteration_plan(cfg, 0)
-    st = stages(ctl.state, ctl.shift_costs, None)
+    st = _prior_stages(cfg)
     assert st is not None
     splits = ({"rollout": 10, "reward": 160, "train": 14}, {"rollout": 26, "reward": 148, "train": 10})
-    model, sim = [], []
-    for split in splits:
-        reps = {r: np.asarray([float(split[str(r)] // st[r].g)]) for r in PIPELINE}
-        model.append(float(static_makespans(st, reps)[0]))
-        sim.append(simulate(cfg, "disaggregated", split, iterations=1, record=False).iterations[0]["total_s"])
+    model, sim = _priced_and_run(cfg, st, splits)
     assert sim[1] < sim[0] * 0.98
     assert model[1] < model[0]
