@@ -306,8 +306,8 @@ class Stage:
         """When all but a fraction `f` of this stage's items have ended, its items arriving as the upstream
         stage ends them (`up_emitted`: upstream fraction fa -> when all but fa of them have ended): of the
         fa·n last to arrive, a fraction f/fa is at least `length_at(f/fa)` long and runs after its
-        prefill, beside the work that arrives with it or later (fa of the replica's, not what the replica
-        would have left had all of it been there from the start), and after the prefills of the items
+        prefill, beside the work its replica has left then (`left_at`: what arrives with it or later, and
+        what the replica could not have done by then), and after the prefills of the items
         arriving with it (half of them, on average, go first: a burst of arrivals pauses the replica once
         per prompt). Nor can the fa·n items be done sooner than their share of the drain after their
         arrival begins. Never before its own emission with every item available."""
