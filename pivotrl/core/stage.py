@@ -133,7 +133,7 @@ class Stage:
         fs = np.asarray([p[0] for p in pts])
         ls = np.maximum.accumulate(np.asarray([p[1] for p in pts], dtype=float))
         want = -np.log(np.asarray(LONGEST_LEVELS)) / n  # 1 − p^(1/n), for n large
-        x = np.interp(-np.log(np.clip(want, fs[-1], fs[0])), -np.log(fs), ls)
+        x = np.interp(-np.log(want), -np.log(fs), ls)  # past either end: that end's length
         return x - x.mean()
 
     @cached_property

@@ -101,9 +101,10 @@ def model_ranked(cfg: SimConfig, splits: list[dict[str, int]], k: int) -> list[d
     return [splits[i] for i, _ in ranked(st, reps, k)]
 
 
-def model_stages(cfg: SimConfig) -> dict[Role, Stage] | None:
+def model_stages(cfg: SimConfig, measured: bool = True) -> dict[Role, Stage] | None:
     """core's stages (`pivotrl.core.iteration.stages`) of iteration 0, from the workload's true lengths and
-    the profile's step-time lines; None where core has no model of them."""
+    the profile's step-time lines; None where core has no model of them. `measured=False`: what core has
+    before anything is measured, the plan's priors (the configured distributions), no profile."""
     import numpy as np
 
     from pivotrl.core.iteration import IterationProfile, RoleProfile, stages
@@ -114,6 +115,8 @@ def model_stages(cfg: SimConfig) -> dict[Role, Stage] | None:
 
     ctl = build_controller(cfg, "disaggregated")
     ctl.state.plan = iteration_plan(cfg, 0)
+    if not measured:
+        return stages(ctl.state, ctl.shift_costs, None)
     seqs = iteration_sequences(cfg.workload, 0, cfg.seed)
     lens = {Role.ROLLOUT: [x.response_len for x in seqs], Role.REWARD: [x.critique_len for x in seqs],
             Role.TRAIN: [x.prompt_len + x.response_len for x in seqs]}

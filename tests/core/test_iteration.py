@@ -562,7 +562,6 @@ def test_larger_groups_complete_later(stg: dict[Role, Stage], split: tuple[int, 
     assert small[Role.REWARD] == large[Role.REWARD]
 
 
-
 @FEW
 @given(stg=stages_strategy, split=st.tuples(st.integers(1, 8), st.integers(1, 8), st.integers(1, 8)),
        shares=st.tuples(st.floats(0.0, 1.0), st.floats(0.0, 1.0)))

@@ -1,4 +1,4 @@
-"""Core's iteration model, before anything is measured, against the simulator on a judge-bound draw.
+"""Core's iteration model, before anything is measured, against the simulator on judge-bound draws.
 
 Why: the last judgement is the longest of n items, and its length varies from draw to draw by a fifth
 either way. Where train's backlog ends a few seconds before the expected last judgement, the iteration
@@ -12,21 +12,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from pivotrl.core.iteration import stages
 from pivotrl.core.makespan import static_makespans
 from pivotrl.core.stage import Stage
 from pivotrl.core.types import PIPELINE, Role
-from pivotrl.sim.compare import simulate
+from pivotrl.sim.compare import model_stages, simulate
 from pivotrl.sim.config import SimConfig
-from pivotrl.sim.driver import build_controller, iteration_plan
 from pivotrl.sim.randomized import draw_config
-
-
-def _prior_stages(cfg: SimConfig) -> dict[Role, Stage] | None:
-    """core's stages of iteration 0 before anything is measured: the configured distributions, no profile."""
-    ctl = build_controller(cfg, "disaggregated")
-    ctl.state.plan = iteration_plan(cfg, 0)
-    return stages(ctl.state, ctl.shift_costs, None)
 
 
 def _priced_and_run(cfg: SimConfig, st: dict[Role, Stage], splits: tuple[dict[str, int], ...]
@@ -43,7 +34,7 @@ def _priced_and_run(cfg: SimConfig, st: dict[Role, Stage], splits: tuple[dict[st
 def test_before_any_measurement_the_model_ranks_a_judge_bound_draws_splits_as_the_simulator() -> None:
     cfg, draw = draw_config(349, quick=True)
     assert draw.group_size == 32 and draw.devices == 146
-    st = _prior_stages(cfg)
+    st = model_stages(cfg, measured=False)
     assert st is not None
     splits = ({"rollout": 62, "reward": 66, "train": 18}, {"rollout": 44, "reward": 66, "train": 36})
     model, sim = _priced_and_run(cfg, st, splits)
@@ -59,7 +50,7 @@ def test_a_long_judge_stage_ends_with_the_rollouts_it_waits_for() -> None:
     made the second split look 0.8 s faster)."""
     cfg, draw = draw_config(117, quick=True)
     assert draw.devices == 185 and draw.devices_per_replica["reward"] == 4
-    st = _prior_stages(cfg)
+    st = model_stages(cfg, measured=False)
     assert st is not None
     splits = ({"rollout": 10, "reward": 160, "train": 14}, {"rollout": 26, "reward": 148, "train": 10})
     model, sim = _priced_and_run(cfg, st, splits)
