@@ -318,7 +318,7 @@ def choose(
                 split, t_static = {r: placed[r] // st[r].g * st[r].g for r in PIPELINE}, t_held
     pred = {
         "static": t_static,
-        "dynamic": dynamic_makespan(st, n, split),
+        "dynamic": dynamic_makespan(st, n, split, placed=sum(placed.values()) > 0),
         "colocated": colocated_makespan(st, n),
     }
     scale = 1.0

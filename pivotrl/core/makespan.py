@@ -251,15 +251,21 @@ def colocated_makespan(st: dict[Role, Stage], n_devices: int) -> float:
     return total
 
 
-def dynamic_makespan(st: dict[Role, Stage], n_devices: int, static_split: dict[Role, int] | None) -> float:
+def dynamic_makespan(st: dict[Role, Stage], n_devices: int, static_split: dict[Role, int] | None,
+                     placed: bool = True) -> float:
     """The tick planner at its best: the fluid time plus the shifts its devices make (every device outside
     the first stage's best static share goes there and back, once each per iteration), never below the
-    chain of the longest rollout at full batch, one judgement and one train step."""
+    chain of the longest rollout at full batch, one judgement and one train step. From a first placement
+    (`placed` False) the way there is free: placing a free device is no shift, so only the way back is
+    paid. Charged both ways there, the first iteration's measured scale (`IterationChoice.scale`) credited
+    the planner with a start it does not get again: on random draw 305 it then restarted from every device
+    on train, cold, instead of opening on the split (docs/decisions.md, "Every trip is paid both
+    ways")."""
     fluid = sum(s.work_device_s() for s in st.values()) / n_devices
     first = st[PIPELINE[0]]
     share = (static_split or {}).get(PIPELINE[0], n_devices) / n_devices
     mean_shift = sum(s.shift_s for s in st.values()) / len(st)
-    moving = 2.0 * mean_shift * (1.0 - share)
+    moving = (2.0 if placed else 1.0) * mean_shift * (1.0 - share)
     _, l_ro = first.timing(np.asarray(float(max(n_devices // first.g, 1))))
     chain = float(l_ro) + st[Role.REWARD].last_item_s() + st[Role.TRAIN].last_item_s()
     tr = st[Role.TRAIN]

@@ -25,6 +25,7 @@ from pivotrl.core.iteration import (
 from pivotrl.core.makespan import (
     GROUP_FRACTIONS,
     best_static,
+    dynamic_makespan,
     group_lag,
     groups_complete,
     later_of,
@@ -1120,3 +1121,22 @@ def test_a_replica_has_left_what_is_to_come_and_what_it_cannot_have_done(stage: 
     assert left >= mine * (1.0 - t / drain) - 1e-9 * mine
     assert left <= mine * (1.0 + 1e-9)
     assert float(stage.left_at(np.asarray(t + 1.0), fa, per, np.asarray(drain))) <= left + 1e-9 * mine
+
+
+@FEW
+@given(stg=stages_strategy, n=st.integers(3, 400), share=st.floats(0.0, 1.0))
+def test_a_first_placement_pays_only_the_way_back(stg: dict[Role, Stage], n: int, share: float) -> None:
+    """`dynamic_makespan`: from a first placement (nothing placed yet) the planner's devices make only
+    their trip back, so the prediction is never above the placed one's and below it by at most one way
+    of the trips, exactly that where the fluid time, not the chain, bounds it."""
+    split = {PIPELINE[0]: max(1, round(share * n)), Role.REWARD: 1, Role.TRAIN: 1}
+    placed = dynamic_makespan(stg, n, split)
+    free = dynamic_makespan(stg, n, split, placed=False)
+    one_way = sum(s.shift_s for s in stg.values()) / len(stg) * (1.0 - split[PIPELINE[0]] / n)
+    assert free <= placed + 1e-9
+    assert placed - free <= one_way + 1e-9 * max(1.0, placed)
+    fluid = sum(s.work_device_s() for s in stg.values()) / n
+    chain = float(stg[PIPELINE[0]].timing(np.asarray(float(max(n // stg[PIPELINE[0]].g, 1))))[1]) + \
+        stg[Role.REWARD].last_item_s() + stg[Role.TRAIN].last_item_s()
+    if fluid + one_way >= chain:
+        assert placed - free == pytest.approx(one_way, rel=1e-9, abs=1e-9)
