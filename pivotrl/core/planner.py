@@ -131,15 +131,19 @@ def return_trip_s(views: dict[Role, RoleView], role: Role | None, to_role: Role,
 
     The first stage, while it is done for this iteration, is idle only until the next one starts with all
     of its work, so a device it lends downstream for this iteration's tail must return: its whole trip
-    (docs/decisions.md#a-lent-rollout-device-pays-its-way-back). A later role's device moved downstream
-    (a judge device to train) returns at the next iteration's opening too, where that opening restores a
-    split (`return_after`: seconds into the next iteration when half of each role's items have reached it,
-    on the split). It is missed there only for the part of its trip after that: before it, its role is still
-    filling (docs/decisions.md, "A judge device lent to train pays for its trip back"). 0 for any other
-    donor, and for a later role without `return_after`."""
+    (docs/decisions.md#a-lent-rollout-device-pays-its-way-back). Where the next iteration opens on a split
+    (`return_after` given) it returns there even if lent before the first stage is done: random draw 145
+    moved 10 of 24 rollout devices to a train stage that was barely behind, with the rollouts still
+    running, and took them back cold at the next opening (docs/decisions.md, "Every trip is paid both
+    ways"). A later role's device moved downstream (a judge device to train) returns at the next
+    iteration's opening too, where that opening restores a split (`return_after`: seconds into the next
+    iteration when half of each role's items have reached it, on the split). It is missed there only for
+    the part of its trip after that: before it, its role is still filling (docs/decisions.md, "A judge
+    device lent to train pays for its trip back"). 0 for any other donor, and for a later role without
+    `return_after`."""
     first = PIPELINE[0]
     if role is first:
-        if first not in views or not views[first].done:
+        if first not in views or (not views[first].done and return_after is None):
             return 0.0
         return costs.duration(to_role, first)
     if return_after is None or role not in PIPELINE or PIPELINE.index(to_role) <= PIPELINE.index(role):

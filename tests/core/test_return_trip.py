@@ -93,3 +93,19 @@ def test_shiftable_charges_the_return_on_policy_where_the_next_opening_is_a_spli
     assert moved(1, False)
     assert moved(0, True)
     assert moved(0, False, last=True)   # the run's last iteration: there is no opening to return to
+
+
+def test_a_rollout_device_lent_before_the_rollouts_end_pays_its_trip_where_a_split_opens_next() -> None:
+    """A rollout device lent downstream while the rollouts still run returns at the next opening on a
+    split like one lent after they end: its whole trip. Without a split to return to (staleness, a
+    colocated opening, the run's last iteration: `return_after` None) only a done first stage pays."""
+    stt = _judge_tail(judged=2, longest=120.0, train_items=400)
+    views = role_views(stt, 10.0)
+    running = {**views, Role.ROLLOUT: dataclasses.replace(views[Role.ROLLOUT], done=False)}
+    costs = ShiftCostModel(prior_s=3.0)
+    half = {Role.REWARD: 1.0, Role.TRAIN: 1.0}
+    for to in (Role.REWARD, Role.TRAIN):
+        assert return_trip_s(running, Role.ROLLOUT, to, costs, half) == 3.0
+        assert return_trip_s(running, Role.ROLLOUT, to, costs, None) == 0.0
+        assert return_trip_s(views, Role.ROLLOUT, to, costs, None) == 3.0
+
