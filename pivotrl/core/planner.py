@@ -191,7 +191,8 @@ def arrival_s(costs: ShiftCostModel, u: Role) -> float:
 
 
 def plan(state: ClusterState, costs: ShiftCostModel, now: float, opens_colocated: bool = False,
-         return_after: Mapping[Role, float] | None = None) -> PlanResult:
+         return_after: Mapping[Role, float] | None = None,
+         keep: Mapping[Role, int] | None = None) -> PlanResult:
     """Run the five steps. Roles are tried as shift-up role in decreasing τ, after the role that holds the
     iteration up if one does (`drain_floor`); the first whose best candidate clears the margin wins. (A
     role can be furthest behind yet unable to use a device — a tail of fewer sequences than replicas — in
@@ -201,7 +202,10 @@ def plan(state: ClusterState, costs: ShiftCostModel, now: float, opens_colocated
     to train in the rollouts' tail makes no trip back of its own, and `keeps_up` is asked only once the
     rollouts are done (asked earlier, the paper reconstruction, which opens colocated, lost 0.8 %).
     ``return_after``: where the next iteration opens on a split, when half of each role's items reach it
-    there; a device moved downstream then pays for its trip back (`return_trip_s`)."""
+    there; a device moved downstream then pays for its trip back (`return_trip_s`).
+    ``keep``: replicas per role that the role keeps when it gives devices to a later stage upstream of
+    it (`Shiftable` passes the iteration's static split for train). Not to the first stage: at an
+    iteration's start train's devices serve the rollouts, which end before train has work again."""
     cfg = state.config
     views = role_views(state, cfg.horizon_s, now)
     taus = tau(views)
@@ -225,7 +229,7 @@ def plan(state: ClusterState, costs: ShiftCostModel, now: float, opens_colocated
         if keeps_up(state, views, u, 0.0 if opens_colocated else arrival_s(costs, u)):
             tried.append(f"{u}: drains before the tail upstream of it ends")
             continue
-        ev = plan_for(state, costs, views, pools, u, threshold, floors, return_after)
+        ev = plan_for(state, costs, views, pools, u, threshold, floors, return_after, keep)
         tried.append(f"{u}: {ev.note}")
         if shown is None or (shown.xs.size == 0 and ev.xs.size > 0):
             shown = ev  # with nothing chosen, show the most-behind role that had candidates
@@ -271,7 +275,8 @@ class _Evaluation:
 def plan_for(state: ClusterState, costs: ShiftCostModel, views: dict[Role, RoleView],
              pools: list[DonorPool], u: Role, threshold: float,
              floors: dict[Role, float | None],
-             return_after: Mapping[Role, float] | None = None) -> _Evaluation:
+             return_after: Mapping[Role, float] | None = None,
+             keep: Mapping[Role, int] | None = None) -> _Evaluation:
     """Steps 2-5 for shift-up role `u`; `floors` is `drain_floor` of every role, which `plan` has
     already: u's own prices its gain, a donor's its loss."""
     cfg = state.config
@@ -332,6 +337,9 @@ def plan_for(state: ClusterState, costs: ShiftCostModel, views: dict[Role, RoleV
         kmax = min(len(pool.ids), max_x // g, keep_limit(views, pool.role, u, cfg.upstream_slack,
                                                                 cfg.upstream_rate, cfg.upstream_rate_floor,
                                                                 cfg.upstream_ahead))
+        if (keep and pool.role in keep and u in PIPELINE[1:]
+                and PIPELINE.index(pool.role) > PIPELINE.index(u)):
+            kmax = min(kmax, max(views[pool.role].replicas - keep[pool.role], 0))
         phi = np.concatenate([[0.0], np.cumsum(phi_sorted[:kmax])])
         ks = np.arange(kmax + 1)
         if pool.role is None:

@@ -150,7 +150,7 @@ class Shiftable(Policy):
         if (on_policy and choice is not None and not opens_colocated
                 and state.plan is not None and not state.plan.last_iteration):
             return_after = choice.half_work_s or None
-        result = planner.plan(state, costs, now, opens_colocated, return_after)
+        result = planner.plan(state, costs, now, opens_colocated, return_after, train_keeps(state, choice))
         self.last = result
         if result.chosen is None or result.to_role is None:
             return serve_starving(state, now)
@@ -162,6 +162,25 @@ class Shiftable(Policy):
         form = tuple((result.to_role, tuple(devices[i : i + g])) for i in range(0, len(devices) - g + 1, g))
         tau_u = result.reasoning.tau.get(str(result.to_role), 0.0)
         return ShiftPlan(dissolve, form, f"planner:tau[{result.to_role}]={tau_u:.3g}", result.reasoning)
+
+
+def train_keeps(state: ClusterState, choice: IterationChoice | None) -> dict[Role, int] | None:
+    """On-policy, on a static split: train keeps the split's replicas when the planner would give devices
+    to the judge (`planner.plan`'s `keep`). None otherwise (no limit).
+
+    Why: the planner weighs a move by the work it does over its horizon, and a train stage that waits on
+    the judge has little queued then, so its devices looked free to the judge one tick at a time. But the
+    judgements it then releases sooner pile up in train at the end of the iteration, where the split's
+    share was chosen for (random draw 246: train gave 12 of its 14 devices to the judge for 3 device-seconds
+    a move, then ended the iteration 9 s after the judge, and its devices came back cold). Train still
+    takes devices, gives what the split does not need, and gives all of them to the next iteration's
+    rollouts, which end before train has work again (docs/decisions.md, "Train keeps its share of the
+    split")."""
+    split = None if choice is None else choice.static_split
+    if split is None or state.config.max_staleness != 0 or choice is None or choice.opens_colocated():
+        return None
+    last = PIPELINE[-1]
+    return {last: split.get(last, 0) // state.config.devices_per_replica(last)}
 
 
 def return_loans(state: ClusterState, loans: dict[Role, int], now: float,

@@ -35,7 +35,7 @@ from pivotrl.core.makespan import (
     static_makespans,
     work_arrives,
 )
-from pivotrl.core.shiftable import Shiftable, opening_split, return_loans, toward_split
+from pivotrl.core.shiftable import Shiftable, opening_split, return_loans, toward_split, train_keeps
 from pivotrl.core.shiftcost import ShiftCostModel
 from pivotrl.core.stage import LAST_END_STEPS, MEDIAN, TAIL_FRACTIONS, Stage, tail_lengths
 from pivotrl.core.state import ClusterState
@@ -1121,6 +1121,22 @@ def test_a_replica_has_left_what_is_to_come_and_what_it_cannot_have_done(stage: 
     assert left >= mine * (1.0 - t / drain) - 1e-9 * mine
     assert left <= mine * (1.0 + 1e-9)
     assert float(stage.left_at(np.asarray(t + 1.0), fa, per, np.asarray(drain))) <= left + 1e-9 * mine
+
+
+def test_train_keeps_the_splits_share_on_policy_on_a_split() -> None:
+    """On-policy, with the iteration on a static split, train keeps that split's replicas from the judge;
+    with staleness, with a colocated opening, or without a choice, nothing is kept."""
+    policy = Shiftable()
+    ctl = later_start_on_train(policy)
+    choice = policy.choice
+    assert choice is not None and choice.static_split is not None
+    choice = dataclasses.replace(choice, predicted_s=slow_colocated(choice))
+    g = ctl.state.config.devices_per_replica(Role.TRAIN)
+    assert train_keeps(ctl.state, choice) == {Role.TRAIN: choice.static_split[Role.TRAIN] // g}
+    assert train_keeps(ctl.state, with_colocated(choice, faster=True)) is None
+    assert train_keeps(ctl.state, None) is None
+    ctl.state.config = dataclasses.replace(ctl.state.config, max_staleness=1)
+    assert train_keeps(ctl.state, choice) is None
 
 
 @FEW

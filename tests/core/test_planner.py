@@ -27,7 +27,7 @@ from pivotrl.core.planner import (
 from pivotrl.core.shiftcost import ShiftCostModel
 from pivotrl.core.state import ClusterState
 from pivotrl.core.throughput import ThroughputModel
-from pivotrl.core.types import ControllerConfig, ReplicaState, ShiftTimings
+from pivotrl.core.types import PIPELINE, ControllerConfig, ReplicaState, ShiftTimings
 from pivotrl.core.views import keeps_up
 
 from ._hyp import CI
@@ -666,3 +666,40 @@ def test_a_queued_items_prefill_lengthens_its_roles_drain(n: int, prompt: int, n
     busy = min(m, v.seqs + v.arriving_seqs)
     assert v.work / v.throughput(m) == pytest.approx(v.work / bare.throughput(m) + owed / busy, rel=1e-9)
     assert (v.b > model.b) == (queued > 0)
+
+
+@CI
+@given(seed=st.integers(0, 2**32 - 1), share=st.floats(0.0, 1.5))
+def test_a_kept_share_never_goes_to_the_judge(seed: int, share: float) -> None:
+    """`keep`: a role gives a later stage upstream of it (train to the judge) only what leaves it its kept
+    replicas; to the first stage, and as a receiver, it is not limited."""
+    stt, costs, now = random_state(seed)
+    views = role_views(stt, stt.config.horizon_s)
+    keep = {r: round(share * views[r].replicas) for r in PIPELINE[1:]}
+    res = plan(stt, costs, now, False, random_return_after(seed), keep)
+    if res.chosen is None or res.to_role is None:
+        return
+    for r in PIPELINE[1:]:
+        given_up = res.chosen.donors_per_role.get(str(r), 0)
+        if res.to_role is not PIPELINE[0] and PIPELINE.index(r) > PIPELINE.index(res.to_role):
+            assert views[r].replicas - given_up >= min(keep[r], views[r].replicas)
+
+
+def test_without_a_kept_share_train_gives_the_judge_replicas_it_keeps_with_one() -> None:
+    """The limit above binds: over the random clusters train gives the judge replicas, and with all its
+    replicas kept it gives the judge none."""
+    bound = 0
+    for seed in range(400):
+        stt, costs, now = random_state(seed)
+        ra = random_return_after(seed)
+        free = plan(stt, costs, now, False, ra)
+        if free.chosen is None or free.to_role is not Role.REWARD:
+            continue
+        if not free.chosen.donors_per_role.get("train", 0):
+            continue
+        bound += 1
+        stt, costs, now = random_state(seed)
+        views = role_views(stt, stt.config.horizon_s)
+        kept = plan(stt, costs, now, False, ra, {Role.TRAIN: views[Role.TRAIN].replicas})
+        assert kept.chosen is None or kept.chosen.donors_per_role.get("train", 0) == 0
+    assert bound >= 10
