@@ -672,11 +672,15 @@ def test_a_queued_items_prefill_lengthens_its_roles_drain(n: int, prompt: int, n
 @given(seed=st.integers(0, 2**32 - 1), share=st.floats(0.0, 1.5))
 def test_a_kept_share_never_goes_to_the_judge(seed: int, share: float) -> None:
     """`keep`: a role gives a later stage upstream of it (train to the judge) only what leaves it its kept
-    replicas; to the first stage, and as a receiver, it is not limited."""
+    replicas; a plan for the first stage is the same with the limit as without it."""
     stt, costs, now = random_state(seed)
     views = role_views(stt, stt.config.horizon_s)
     keep = {r: round(share * views[r].replicas) for r in PIPELINE[1:]}
     res = plan(stt, costs, now, False, random_return_after(seed), keep)
+    stt, costs, now = random_state(seed)
+    free = plan(stt, costs, now, False, random_return_after(seed))
+    if free.to_role is PIPELINE[0]:   # the roles before it found nothing without the limit, nor with it
+        assert res.to_role is free.to_role and res.chosen == free.chosen
     if res.chosen is None or res.to_role is None:
         return
     for r in PIPELINE[1:]:
