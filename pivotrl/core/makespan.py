@@ -50,8 +50,9 @@ def static_makespans(
     f_items = tuple(member_left(fg, g, n) for fg in fgs)
     last, *both = rw.afters(up, m_rw, (1.0 / n, *fgs, *f_items), starts)
     judged, independent = both[: len(fgs)], both[len(fgs):]
-    t_rw = np.maximum(last, rw.timing(m_rw)[1])
-    t_rw = np.maximum(t_rw, rw.last_end(up, m_rw, exact=last_end, starts=starts))
+    drain_rw, end_rw = rw.timing(m_rw)
+    t_rw = np.maximum(last, end_rw)
+    t_rw = np.maximum(t_rw, rw.last_end(up, m_rw, exact=last_end, starts=starts, drain=drain_rw))
     drain_tr, e_tr = tr.timing(m_tr)
     tail = tr.last_item_s()
     backlog = e_tr - tail  # train's own ends, less the one step after the last judgement

@@ -377,7 +377,8 @@ class Stage:
         return out
 
     def last_end(self, up_emitted: dict[float, np.ndarray], m: np.ndarray, exact: bool = True,
-                 starts: dict[float, np.ndarray] | None = None) -> np.ndarray:
+                 starts: dict[float, np.ndarray] | None = None,
+                 drain: np.ndarray | None = None) -> np.ndarray:
         """When this stage's last item ends, its items arriving on the upstream curve in an order that has
         nothing to do with their own lengths (a judgement's length does not depend on when its rollout
         ended).
@@ -389,7 +390,8 @@ class Stage:
         count times the fraction of lengths that would not be done by T) is E(T), the chance that none is
         exp(−E(T)) (Poisson), and the expected end is the integral of 1 − exp(−E) over T. Never before the
         longest item itself, starting at the mean start time: that alone with `exact=False` (cheap, and
-        never above the full value). `starts`: `admitted(up_emitted, m)` when the caller has it."""
+        never above the full value). `starts`: `admitted(up_emitted, m)` and `drain`: `timing(m)`'s drain,
+        when the caller has them."""
         n = max(self.seqs, 1.0)
         per, conc, _ = self._batch(m)
         if starts is None:
@@ -408,15 +410,19 @@ class Stage:
         if not exact:
             return longest_end
         hi = prev_t + self.prefill_s * (1.0 + 0.5 * per) + self.run_with(per * self.mean, self.longest, conc)
-        drain = self.timing(m)[0]
+        if drain is None:
+            drain = self.timing(m)[0]
+        # per bin, what does not change with the horizon: its items, start, prefills and the work beside them
+        terms = [(count, t, self.prefill_s * (1.0 + 0.5 * fa * per), self.left_at(t, fa, per, drain))
+                 for count, t, fa in bins]
         dt = hi / LAST_END_STEPS
         end = np.zeros(np.shape(hi))
         for k in range(LAST_END_STEPS):
             horizon = (k + 0.5) * dt
             running = np.zeros(np.shape(hi))
-            for count, t, fa in bins:
-                budget = horizon - t - self.prefill_s * (1.0 + 0.5 * fa * per)
-                done_by = self.max_length_within(budget, self.left_at(t, fa, per, drain), conc)
+            for count, t, prefill, left in terms:
+                budget = horizon - t - prefill
+                done_by = self.max_length_within(budget, left, conc)
                 running = running + count * np.where(budget > 0.0, self.longer_than(done_by), 1.0)
             end = end + (1.0 - np.exp(-running)) * dt
         return np.maximum(end, longest_end)
