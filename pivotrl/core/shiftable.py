@@ -176,11 +176,11 @@ def train_keeps(state: ClusterState, choice: IterationChoice | None) -> dict[Rol
     takes devices, gives what the split does not need, and gives all of them to the next iteration's
     rollouts, which end before train has work again (docs/decisions.md, "Train keeps its share of the
     split")."""
-    split = None if choice is None else choice.static_split
-    if split is None or state.config.max_staleness != 0 or choice is None or choice.opens_colocated():
+    if (choice is None or choice.static_split is None or state.config.max_staleness != 0
+            or choice.opens_colocated()):
         return None
     last = PIPELINE[-1]
-    return {last: split.get(last, 0) // state.config.devices_per_replica(last)}
+    return {last: choice.static_split.get(last, 0) // state.config.devices_per_replica(last)}
 
 
 def return_loans(state: ClusterState, loans: dict[Role, int], now: float,
