@@ -1,14 +1,16 @@
 # Two commands for a newcomer: `make demo` and `make test`. Everything is installed into .venv.
-# torch is installed first and pinned, by pip, so that a CPU machine takes the CPU build from local disk instead
-# of pulling a multi-GB CUDA build; the rest by uv (the installed torch satisfies it, so uv keeps it), with
-# pip as the fallback (see docs/decisions.md#set-up-installs-with-uv).
-# Override on a GPU box: `make setup TORCH_SPEC='torch==2.13.0' EXTRAS=dev,gpu`.
+# uv installs torch, pinned, with the rest; it is handed pip's local wheel folders (find-links), so a CPU machine
+# takes the CPU build from local disk instead of pulling a multi-GB CUDA build. pip is the fallback
+# (see docs/decisions.md#set-up-installs-with-uv).
+# Override on a GPU box: `make setup TORCH_SPEC='torch==2.13.0' EXTRAS=dev,gpu FIND_LINKS=`.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= dev
 PYTEST_ARGS ?=
+# pip's configured local wheel folders, for uv, which does not read pip's configuration
+FIND_LINKS := $(foreach d,$(shell $(PYTHON) -m pip config list 2>/dev/null | sed -n "s/.*find-links='\(.*\)'/\1/p" | sort -u),--find-links $(d))
 
 # apt-get as root (CI, containers); `make browser-test APT='sudo apt-get'` elsewhere
 APT ?= apt-get
@@ -19,11 +21,9 @@ setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
 	-$(PY) -m pip install -q uv
-	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(VENV)/bin/uv pip install --python $(PY) --compile-bytecode -q -e ".[$(EXTRAS)]" \
-		|| $(PY) -m pip install -q -e ".[$(EXTRAS)]"
+	$(VENV)/bin/uv pip install --python $(PY) --compile-bytecode -q $(FIND_LINKS) "$(TORCH_SPEC)" -e ".[$(EXTRAS)]" \
+		|| ($(PY) -m pip install -q "$(TORCH_SPEC)" && $(PY) -m pip install -q -e ".[$(EXTRAS)]")
 	@touch $@
 
 test: setup
