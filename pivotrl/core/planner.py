@@ -126,7 +126,8 @@ def fetch_extra(state: ClusterState, pool: DonorPool, to_role: Role, costs: Shif
 
 
 def return_trip_s(views: dict[Role, RoleView], role: Role | None, to_role: Role,
-                  costs: ShiftCostModel, return_after: Mapping[Role, float] | None = None) -> float:
+                  costs: ShiftCostModel, return_after: Mapping[Role, float] | None = None,
+                  first_share: float = 1.0) -> float:
     """Seconds per device that a donor of `role` moved to `to_role` will be missed on its way back.
 
     The first stage, while it is done for this iteration, is idle only until the next one starts with all
@@ -135,17 +136,23 @@ def return_trip_s(views: dict[Role, RoleView], role: Role | None, to_role: Role,
     (`return_after` given) it returns there even if lent before the first stage is done: random draw 145
     moved 10 of 24 rollout devices to a train stage that was barely behind, with the rollouts still
     running, and took them back cold at the next opening (docs/decisions.md, "Every trip is paid both
-    ways"). A later role's device moved downstream (a judge device to train) returns at the next
-    iteration's opening too, where that opening restores a split (`return_after`: seconds into the next
-    iteration when half of each role's items have reached it, on the split). It is missed there only for
-    the part of its trip after that: before it, its role is still filling (docs/decisions.md, "A judge
-    device lent to train pays for its trip back"). 0 for any other donor, and for a later role without
-    `return_after`."""
+    ways"). There the first stage opens short of it for its trip, and it, with every stage waiting on it,
+    ends later by the trip over the first stage's devices, which the whole cluster pays: the trip is
+    charged over `first_share`, the share of the devices that the opening gives the first stage (1 when
+    it gets them all). Charged as the one device's own trip, random draw 233 lent the only rollout device
+    of 10 to train's tail for 40 device-seconds and the next iteration's rollouts then waited 9.3 s for it
+    (docs/decisions.md, "A lent rollout device delays the whole next opening").
+
+    A later role's device moved downstream (a judge device to train) returns at the next iteration's
+    opening too, where that opening restores a split (`return_after`: seconds into the next iteration when
+    half of each role's items have reached it, on the split). It is missed there only for the part of its
+    trip after that: before it, its role is still filling (docs/decisions.md, "A judge device lent to
+    train pays for its trip back"). 0 for any other donor, and for a later role without `return_after`."""
     first = PIPELINE[0]
     if role is first:
         if first not in views or (not views[first].done and return_after is None):
             return 0.0
-        return costs.duration(to_role, first)
+        return costs.duration(to_role, first) / first_share
     if return_after is None or role not in PIPELINE or PIPELINE.index(to_role) <= PIPELINE.index(role):
         return 0.0
     return max(costs.duration(to_role, role) - return_after.get(role, 0.0), 0.0)
@@ -192,7 +199,7 @@ def arrival_s(costs: ShiftCostModel, u: Role) -> float:
 
 def plan(state: ClusterState, costs: ShiftCostModel, now: float, opens_colocated: bool = False,
          return_after: Mapping[Role, float] | None = None,
-         keep: Mapping[Role, int] | None = None) -> PlanResult:
+         keep: Mapping[Role, int] | None = None, first_share: float = 1.0) -> PlanResult:
     """Run the five steps. Roles are tried as shift-up role in decreasing τ, after the role that holds the
     iteration up if one does (`drain_floor`); the first whose best candidate clears the margin wins. (A
     role can be furthest behind yet unable to use a device — a tail of fewer sequences than replicas — in
@@ -205,7 +212,9 @@ def plan(state: ClusterState, costs: ShiftCostModel, now: float, opens_colocated
     there; a device moved downstream then pays for its trip back (`return_trip_s`).
     ``keep``: replicas per role that the role keeps when it gives devices to a later stage upstream of
     it (`Shiftable` passes the iteration's static split for train). Not to the first stage: at an
-    iteration's start train's devices serve the rollouts, which end before train has work again."""
+    iteration's start train's devices serve the rollouts, which end before train has work again.
+    ``first_share``: the share of the devices the first stage opens the next iteration with, which a
+    lent first-stage device's trip back is charged over (`return_trip_s`)."""
     cfg = state.config
     views = role_views(state, cfg.horizon_s, now)
     taus = tau(views)
@@ -229,7 +238,7 @@ def plan(state: ClusterState, costs: ShiftCostModel, now: float, opens_colocated
         if keeps_up(state, views, u, 0.0 if opens_colocated else arrival_s(costs, u)):
             tried.append(f"{u}: drains before the tail upstream of it ends")
             continue
-        ev = plan_for(state, costs, views, pools, u, threshold, floors, return_after, keep)
+        ev = plan_for(state, costs, views, pools, u, threshold, floors, return_after, keep, first_share)
         tried.append(f"{u}: {ev.note}")
         if shown is None or (shown.xs.size == 0 and ev.xs.size > 0):
             shown = ev  # with nothing chosen, show the most-behind role that had candidates
@@ -276,7 +285,7 @@ def plan_for(state: ClusterState, costs: ShiftCostModel, views: dict[Role, RoleV
              pools: list[DonorPool], u: Role, threshold: float,
              floors: dict[Role, float | None],
              return_after: Mapping[Role, float] | None = None,
-             keep: Mapping[Role, int] | None = None) -> _Evaluation:
+             keep: Mapping[Role, int] | None = None, first_share: float = 1.0) -> _Evaluation:
     """Steps 2-5 for shift-up role `u`; `floors` is `drain_floor` of every role, which `plan` has
     already: u's own prices its gain, a donor's its loss."""
     cfg = state.config
@@ -296,7 +305,7 @@ def plan_for(state: ClusterState, costs: ShiftCostModel, views: dict[Role, RoleV
             # its devices spend mostly shifting (see docs/decisions.md#a-shift-never-outlasts-its-horizon).
             continue
         extra = fetch_extra(state, pool, u, costs)
-        back = return_trip_s(views, pool.role, u, costs, return_after)
+        back = return_trip_s(views, pool.role, u, costs, return_after, first_share)
         phi = (dur + extra) * pool.lost + pool.reprefill + back * pool.g
         order = np.lexsort((extra, phi))  # equal φ (idle donors): the one holding the weights first
         layers.append((pool, order, phi[order]))

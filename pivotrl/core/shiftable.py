@@ -89,11 +89,7 @@ class Shiftable(Policy):
             return self._colocated.plan(state, costs, now)
         choice = self.choice
         starting, self._starting = self._starting, False
-        short = (
-            choice is not None
-            and choice.static_split is not None
-            and choice.first_stage_alone_s <= state.config.cooldown_s + choice.handoff_s
-        )
+        short = first_stage_short(state, choice)
         if choice is not None and choice.opens_colocated():
             # Colocated is predicted faster than any static split: every device starts on the first stage,
             # as colocated runs it, and the planner moves them on once it is done (its idle replicas leave
@@ -150,7 +146,12 @@ class Shiftable(Policy):
         if (on_policy and choice is not None and not opens_colocated
                 and state.plan is not None and not state.plan.last_iteration):
             return_after = choice.half_work_s or None
-        result = planner.plan(state, costs, now, opens_colocated, return_after, train_keeps(state, choice))
+        # ... and a rollout device lent now leaves the next opening's first stage short of it for its trip
+        first_share = 1.0
+        if return_after is not None and choice is not None and choice.static_split is not None:
+            first_share = max(next_opening(state, choice)[PIPELINE[0]], 1) / len(state.device_role)
+        result = planner.plan(state, costs, now, opens_colocated, return_after, train_keeps(state, choice),
+                              first_share)
         self.last = result
         if result.chosen is None or result.to_role is None:
             return serve_starving(state, now)
@@ -228,6 +229,20 @@ def idle_and_settled(state: ClusterState, rep: Replica, now: float) -> bool:
     """`rep` is active, serves nothing, and none of its devices is locked at `now` (`ClusterState.locked`)."""
     return rep.state is ReplicaState.ACTIVE and rep.n == 0 and not any(
         state.locked(d, now) for d in rep.devices)
+
+
+def first_stage_short(state: ClusterState, choice: IterationChoice | None) -> bool:
+    """Would the first stage alone end before a device placed elsewhere could join it (a cooldown and a
+    shift)? Then an iteration opens on its split as it is, with nothing lent to the first stage."""
+    return (choice is not None and choice.static_split is not None
+            and choice.first_stage_alone_s <= state.config.cooldown_s + choice.handoff_s)
+
+
+def next_opening(state: ClusterState, choice: IterationChoice) -> dict[Role, int]:
+    """The split an iteration opens on: the predicted split where the first stage is short, else what
+    `opening_split` lends the first stage of it."""
+    assert choice.static_split is not None
+    return dict(choice.static_split) if first_stage_short(state, choice) else opening_split(state, choice)
 
 
 def opening_split(state: ClusterState, choice: IterationChoice) -> dict[Role, int]:

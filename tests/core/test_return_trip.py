@@ -5,19 +5,22 @@ half of the judge's items have arrived (`IterationChoice.half_work_s`)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pivotrl.core import Role, ShiftTimings
+from pivotrl.core import IterationPlan, Role, ShiftTimings
 from pivotrl.core.iteration import IterationChoice
 from pivotrl.core.planner import plan, return_trip_s
 from pivotrl.core.shiftable import Shiftable
 from pivotrl.core.shiftcost import ShiftCostModel
+from pivotrl.core.state import ClusterState
 from pivotrl.core.views import role_views
 
 from ._hyp import CI
-from .test_tail import _judge_tail
+from .helpers import active_state, config
+from .test_tail import _judge_tail, _started
 
 SPLIT = {Role.ROLLOUT: 1, Role.REWARD: 5, Role.TRAIN: 1}
 
@@ -109,3 +112,57 @@ def test_a_rollout_device_lent_before_the_rollouts_end_pays_its_trip_where_a_spl
         assert return_trip_s(running, Role.ROLLOUT, to, costs, None) == 0.0
         assert return_trip_s(views, Role.ROLLOUT, to, costs, None) == 3.0
 
+
+def _idle_rollout_and_train_backlog() -> ClusterState:
+    """Every rollout done and its one device idle; two judge replicas each running an item near its end;
+    train, one replica, holds 400 items: over the horizon one more train replica gains ~0.6 device-seconds,
+    and only the rollout device is free to give."""
+    cfg = config(horizon_s=10.0, cooldown_s=0.0)
+    stt = active_state(cfg, {Role.ROLLOUT: 1, Role.REWARD: 2, Role.TRAIN: 1})
+    stt.plan = IterationPlan(0, rollout_seqs=8, group_size=1, rollout_tokens_per_seq=50,
+                             reward_tokens_per_rollout=150, train_tokens_per_group=100,
+                             reward_tokens_longest=120.0)
+    stt.submitted[Role.ROLLOUT] = 8
+    return _started(stt, 0, 2, 400, lambda s: s.role is Role.REWARD)
+
+
+def test_a_lent_rollout_devices_trip_is_charged_over_the_first_stages_share_of_the_opening() -> None:
+    """The next opening starts with the first stage short of the lent device for its trip back: the
+    first stage, and every stage waiting on it, ends later by trip × lent / its devices, which the cluster
+    pays whole. Its 0.05 s trip is charged 0.05 s per device where the first stage opens with every
+    device, twice that with half of them; with a quarter or less, B falls under the 0.5 margin."""
+    half = {Role.REWARD: 30.0, Role.TRAIN: 30.0}
+    for share, moves in ((1.0, True), (0.5, True), (0.25, False), (0.1, False)):
+        res = plan(_idle_rollout_and_train_backlog(), ShiftCostModel(prior_s=0.05), 1.0, False, half, None,
+                   share)
+        (cand,) = res.reasoning.candidates
+        assert cand.donors_per_role == {"rollout": 1}
+        assert math.isclose(cand.penalty, 0.05 / share)
+        assert (res.chosen is not None) is moves
+    views = role_views(_idle_rollout_and_train_backlog(), 10.0)
+    costs = ShiftCostModel(prior_s=3.0)
+    # only the first stage's trip is scaled: a judge device's charge is its own absence
+    assert return_trip_s(views, Role.REWARD, Role.TRAIN, costs, half, 0.1) == 0.0
+    assert return_trip_s(views, Role.REWARD, Role.TRAIN, costs, {Role.REWARD: 1.0}, 0.1) == 2.0
+    assert return_trip_s(views, Role.ROLLOUT, Role.TRAIN, costs, half, 0.1) == 30.0
+
+
+def test_shiftable_hands_the_planner_the_first_stages_share_of_the_split_it_opens_on() -> None:
+    """On-policy with a split to open on, the policy passes that split's first-stage share: the rollout
+    device that a split with the rollouts on every device would lend stays where the split gives them a
+    tenth of the cluster. With staleness (no opening to return to) it is lent either way."""
+    def lent(rollout_share: int, max_staleness: int = 0) -> bool:
+        stt = _idle_rollout_and_train_backlog()
+        stt.config = dataclasses.replace(stt.config, max_staleness=max_staleness)
+        n = len(stt.device_role)
+        split = {Role.ROLLOUT: rollout_share, Role.REWARD: n - rollout_share - 1, Role.TRAIN: 1}
+        pol = Shiftable()
+        pred = {"static": 20.0, "dynamic": 10.0, "colocated": 30.0}
+        pol.choice = IterationChoice("dynamic", pred, split, 1.0, half_work_s={Role.REWARD: 30.0,
+                                                                               Role.TRAIN: 30.0})
+        pol.plan(stt, ShiftCostModel(prior_s=0.05), 1.0)
+        return pol.last is not None and pol.last.chosen is not None
+    assert len(_idle_rollout_and_train_backlog().device_role) == 4
+    assert lent(2)        # half of the devices: 0.1 s charged, B = 0.50 > 0.5 (0.501)
+    assert not lent(1)    # a quarter: 0.2 s, B = 0.40
+    assert lent(1, max_staleness=1)
