@@ -21,8 +21,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
+from collections.abc import Iterator, Mapping
+from concurrent.futures import Executor, Future, ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -111,6 +113,20 @@ def _compare_known_split(path: str, split: dict[str, int], seeds: tuple[int, ...
     }
 
 
+def in_order(pool: Executor, futs: Mapping[str, Future]) -> Iterator[tuple[str, Any]]:
+    """Each future's name and result, in submission order. The first failure ends the run there: the
+    futures not yet started are cancelled and the error names its item. Why: leaving the pool's block
+    waits for every submitted item, so one failed draw surfaced only after all the others had run
+    (tens of minutes, with nothing printed)."""
+    for name, fut in futs.items():
+        try:
+            yield name, fut.result()
+        except BaseException:
+            pool.shutdown(wait=False, cancel_futures=True)
+            print(f"{name} failed; the items not yet started are cancelled", file=sys.stderr, flush=True)
+            raise
+
+
 def sweep(args: argparse.Namespace) -> None:
     paths = sorted((ROOT / "configs/sim/sweep").glob("*.yaml"))
     t0 = time.perf_counter()
@@ -125,9 +141,8 @@ def sweep(args: argparse.Namespace) -> None:
 
         futs = {p.stem: submit(p) for p in sorted(paths, key=lambda p: int(
             p.stem.rsplit("-", 1)[1].removesuffix("gpu")))}
-        for name, fut in futs.items():
-            rows[name] = fut.result()
-            r = rows[name]
+        for name, r in in_order(pool, futs):
+            rows[name] = r
             print(f"{name:24s} " + " ".join(f"{k}={r[k]:.3f}" for k in KEYS), flush=True)
             Path(args.out).write_text(json.dumps({"partial": True, "rows": rows}, indent=1, default=str))
     out = {"wall_s": time.perf_counter() - t0, "rows": rows}
@@ -293,9 +308,8 @@ def random_workloads(args: argparse.Namespace) -> None:
               if v is not None}
     rows: list[dict[str, Any]] = []
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
-        futs = [pool.submit(_random_one, s, args.quick, search) for s in seeds]
-        for fut in futs:
-            r = fut.result()
+        futs = {f"seed {s}": pool.submit(_random_one, s, args.quick, search) for s in seeds}
+        for _, r in in_order(pool, futs):
             rows.append(r)
             d = r["draw"]
             print(f"seed {r['seed']:3d} {d['shape']:13s} {d['devices']:5d} dev G={d['group_size']:2d} "

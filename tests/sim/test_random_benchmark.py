@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import time
+from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from benchmarks.sim import _at_least_one, _random_one
+from benchmarks.sim import _at_least_one, _random_one, in_order
 
 
 def test_a_wider_search_is_the_one_the_draw_runs() -> None:
@@ -34,3 +36,22 @@ def test_a_search_width_is_an_integer_of_at_least_one(text: str) -> None:
     else:
         with pytest.raises(argparse.ArgumentTypeError):
             _at_least_one(text)
+
+
+def _fail_or_wait(i: int) -> int:
+    if i == 0:
+        raise ValueError("draw 0 broke")
+    time.sleep(0.2)   # stands in for a draw's simulation
+    return i
+
+
+def test_a_failed_item_stops_the_run_and_cancels_the_items_not_started() -> None:
+    """One worker: item 0 fails while the next are queued; the run raises item 0's error at once, and
+    the other 29 items (0.2 s each) do not all run first."""
+    with ProcessPoolExecutor(max_workers=1) as pool:
+        futs = {f"seed {i}": pool.submit(_fail_or_wait, i) for i in range(30)}
+        t0 = time.perf_counter()
+        with pytest.raises(ValueError, match="draw 0 broke"):
+            list(in_order(pool, futs))
+    assert time.perf_counter() - t0 < 3.0   # not 30 × 0.2 s
+    assert sum(f.done() for f in futs.values()) <= 5
