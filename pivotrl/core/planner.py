@@ -104,13 +104,14 @@ class DonorPool:
 
 def donor_penalty(rep: Replica, view: RoleView, costs: ShiftCostModel, to_role: Role,
                   prefill_rate: float, views: dict[Role, RoleView] | None = None,
-                  return_after: Mapping[Role, float] | None = None) -> float:
+                  return_after: Mapping[Role, float] | None = None, first_share: float = 1.0) -> float:
     """φ of one replica (the scalar form of what `plan_for` computes in bulk); with `views`, its trip back
     (`return_trip_s`)."""
     dur = costs.duration(rep.role, to_role) + costs.fetch_delta(rep.devices, to_role)
     lost = dur * rep.model.rate(rep.n) * view.weight
     reprefill = view.g * rep.context / prefill_rate if prefill_rate > 0 else 0.0
-    back = 0.0 if views is None else return_trip_s(views, rep.role, to_role, costs, return_after) * view.g
+    back = (0.0 if views is None
+            else return_trip_s(views, rep.role, to_role, costs, return_after, first_share) * view.g)
     return lost + reprefill + back
 
 

@@ -132,18 +132,27 @@ def random_return_after(seed: int) -> dict[Role, float] | None:
     return {Role.REWARD: rng.choice([0.0, rng.uniform(0.0, 12.0)]), Role.TRAIN: rng.uniform(0.0, 12.0)}
 
 
+def random_first_share(seed: int) -> float:
+    """The share of the devices the next opening gives the first stage: all of them, or a random share."""
+    rng = random.Random(f"first-share:{seed}")
+    return 1.0 if rng.random() < 0.4 else rng.uniform(0.05, 1.0)
+
+
 def brute_force_best(stt: ClusterState, costs: ShiftCostModel, now: float, u: Role,
-                     clearing: bool = False, return_after: dict[Role, float] | None = None) -> float | None:
+                     clearing: bool = False, return_after: dict[Role, float] | None = None,
+                     first_share: float = 1.0) -> float | None:
     """Best B over every subset of donors (free devices and eligible replicas), by direct evaluation;
     with `clearing`, only over subsets whose B clears the margin (hysteresis × H × devices moved, or 0
     for a role with work and no replica)."""
     # holding the state keeps its id from being reused
-    if _BF_CACHE.get("state") is not stt or _BF_CACHE.get("return_after") is not return_after:
+    if (_BF_CACHE.get("state") is not stt or _BF_CACHE.get("return_after") is not return_after
+            or _BF_CACHE.get("first_share") != first_share):
         _BF_CACHE.clear()
         _BF_CACHE["state"] = stt
         _BF_CACHE["return_after"] = return_after
+        _BF_CACHE["first_share"] = first_share
     if u not in _BF_CACHE:
-        _BF_CACHE[u] = _brute_force(stt, costs, now, u, return_after)
+        _BF_CACHE[u] = _brute_force(stt, costs, now, u, return_after, first_share)
     return _BF_CACHE[u][1 if clearing else 0]
 
 
@@ -151,7 +160,8 @@ _BF_CACHE: dict = {}
 
 
 def _brute_force(stt: ClusterState, costs: ShiftCostModel, now: float, u: Role,
-                 return_after: dict[Role, float] | None = None) -> tuple[float | None, float | None]:
+                 return_after: dict[Role, float] | None = None,
+                 first_share: float = 1.0) -> tuple[float | None, float | None]:
     cfg = stt.config
     views = role_views(stt, cfg.horizon_s, now)
     donors: list[tuple[Role | None, int, float]] = [(None, 1, 0.0) for _ in stt.free_devices()]
@@ -168,7 +178,7 @@ def _brute_force(stt: ClusterState, costs: ShiftCostModel, now: float, u: Role,
             if not exempt and any(now - stt.device_shifted_at[x] < cfg.cooldown_s for x in rep.devices):
                 continue
             prefill = cfg.spec(d).prefill_tokens_per_s
-            phi = donor_penalty(rep, views[d], costs, u, prefill, views, return_after)
+            phi = donor_penalty(rep, views[d], costs, u, prefill, views, return_after, first_share)
             donors.append((d, views[d].g, phi))
     vu = views[u]
     max_x = math.floor(cfg.max_shift_fraction * len(stt.device_role) + 1e-9)
@@ -232,7 +242,11 @@ def _brute_force(stt: ClusterState, costs: ShiftCostModel, now: float, u: Role,
 def test_dp_matches_brute_force_and_never_returns_nonpositive_benefit(seed: int) -> None:
     stt, costs, now = random_state(seed)
     ra = random_return_after(seed)
-    res = plan(stt, costs, now, False, ra)
+    fs = random_first_share(seed)
+    res = plan(stt, costs, now, False, ra, None, fs)
+
+    def best_of(u: Role, clearing: bool = False) -> float | None:
+        return brute_force_best(stt, costs, now, u, clearing, ra, fs)
     if res.to_role is None:
         assert res.chosen is None
         return
@@ -248,15 +262,15 @@ def test_dp_matches_brute_force_and_never_returns_nonpositive_benefit(seed: int)
         return keeps_up(stt, views, r, arrival_s(costs, r))
 
     for r in order[: order.index(res.to_role)]:
-        assert skipped(r) or brute_force_best(stt, costs, now, r, clearing=True, return_after=ra) is None
+        assert skipped(r) or best_of(r, clearing=True) is None
     assert not skipped(res.to_role)
     if res.chosen is None:  # nothing clears the margin for any role
         for r in order:
-            assert skipped(r) or brute_force_best(stt, costs, now, r, clearing=True, return_after=ra) is None
-    bf = brute_force_best(stt, costs, now, res.to_role, return_after=ra)
+            assert skipped(r) or best_of(r, clearing=True) is None
+    bf = best_of(res.to_role)
     if not res.reasoning.candidates:
         # Either no feasible subset, or the DP was skipped because even u's raw gain cannot clear the margin.
-        assert brute_force_best(stt, costs, now, res.to_role, clearing=True, return_after=ra) is None
+        assert best_of(res.to_role, clearing=True) is None
     else:
         assert bf is not None
         dp = max(c.benefit for c in res.reasoning.candidates)
@@ -265,7 +279,7 @@ def test_dp_matches_brute_force_and_never_returns_nonpositive_benefit(seed: int)
         margin = res.reasoning.threshold * res.chosen.devices
         assert res.chosen.benefit > 0
         assert res.chosen.benefit > margin
-        best_clearing = brute_force_best(stt, costs, now, res.to_role, clearing=True, return_after=ra)
+        best_clearing = best_of(res.to_role, clearing=True)
         assert res.chosen.benefit == pytest.approx(best_clearing, rel=1e-9, abs=1e-9)
         assert res.chosen.devices % stt.config.devices_per_replica(res.to_role) == 0
         assert len(res.donors) == len(res.chosen.donors)
