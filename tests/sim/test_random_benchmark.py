@@ -54,4 +54,5 @@ def test_a_failed_item_stops_the_run_and_cancels_the_items_not_started() -> None
         with pytest.raises(ValueError, match="draw 0 broke"):
             list(in_order(pool, futs))
     assert time.perf_counter() - t0 < 3.0   # not 30 × 0.2 s
-    assert sum(f.done() for f in futs.values()) <= 5
+    ran = [f for f in futs.values() if f.done() and not f.cancelled()]   # the rest wait or are cancelled
+    assert len(ran) <= 5
