@@ -10,7 +10,7 @@ import math
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pivotrl.core import IterationPlan, Role, ShiftTimings
+from pivotrl.core import Role, ShiftTimings
 from pivotrl.core.iteration import IterationChoice
 from pivotrl.core.planner import plan, return_trip_s
 from pivotrl.core.shiftable import Shiftable
@@ -19,8 +19,7 @@ from pivotrl.core.state import ClusterState
 from pivotrl.core.views import role_views
 
 from ._hyp import CI
-from .helpers import active_state, config
-from .test_tail import _judge_tail, _started
+from .test_tail import _judge_tail
 
 SPLIT = {Role.ROLLOUT: 1, Role.REWARD: 5, Role.TRAIN: 1}
 
@@ -113,17 +112,11 @@ def test_a_rollout_device_lent_before_the_rollouts_end_pays_its_trip_where_a_spl
         assert return_trip_s(views, Role.ROLLOUT, to, costs, None) == 3.0
 
 
-def _idle_rollout_and_train_backlog() -> ClusterState:
+def _idle_rollout_and_train_backlog(max_staleness: int = 0) -> ClusterState:
     """Every rollout done and its one device idle; two judge replicas each running an item near its end;
     train, one replica, holds 400 items: over the horizon one more train replica gains ~0.6 device-seconds,
     and only the rollout device is free to give."""
-    cfg = config(horizon_s=10.0, cooldown_s=0.0)
-    stt = active_state(cfg, {Role.ROLLOUT: 1, Role.REWARD: 2, Role.TRAIN: 1})
-    stt.plan = IterationPlan(0, rollout_seqs=8, group_size=1, rollout_tokens_per_seq=50,
-                             reward_tokens_per_rollout=150, train_tokens_per_group=100,
-                             reward_tokens_longest=120.0)
-    stt.submitted[Role.ROLLOUT] = 8
-    return _started(stt, 0, 2, 400, lambda s: s.role is Role.REWARD)
+    return _judge_tail(judged=2, longest=120.0, train_items=400, max_staleness=max_staleness, idle_judges=0)
 
 
 def test_a_lent_rollout_devices_trip_is_charged_over_the_first_stages_share_of_the_opening() -> None:
@@ -152,8 +145,7 @@ def test_shiftable_hands_the_planner_the_first_stages_share_of_the_split_it_open
     device that a split with the rollouts on every device would lend stays where the split gives them a
     tenth of the cluster. With staleness (no opening to return to) it is lent either way."""
     def lent(rollout_share: int, max_staleness: int = 0) -> bool:
-        stt = _idle_rollout_and_train_backlog()
-        stt.config = dataclasses.replace(stt.config, max_staleness=max_staleness)
+        stt = _idle_rollout_and_train_backlog(max_staleness)
         n = len(stt.device_role)
         split = {Role.ROLLOUT: rollout_share, Role.REWARD: n - rollout_share - 1, Role.TRAIN: 1}
         pol = Shiftable()

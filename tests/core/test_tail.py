@@ -24,12 +24,12 @@ from .helpers import active_state, config, seq
 
 
 def _judge_tail(judged: int, longest: float, train_items: int, train_replicas: int = 1,
-                max_staleness: int = 0):
+                max_staleness: int = 0, idle_judges: int = 3):
     """Every rollout judged but `judged` left on two judge replicas, each running one item that has
-    generated 100 tokens; train holds `train_items` items of 100 tokens; three more judge replicas idle.
-    The plan expects the iteration's longest judgement at `longest` tokens."""
+    generated 100 tokens; train holds `train_items` items of 100 tokens; `idle_judges` more judge replicas
+    idle. The plan expects the iteration's longest judgement at `longest` tokens."""
     cfg = config(horizon_s=10.0, cooldown_s=0.0, max_staleness=max_staleness)
-    stt = active_state(cfg, {Role.ROLLOUT: 1, Role.REWARD: 5, Role.TRAIN: train_replicas})
+    stt = active_state(cfg, {Role.ROLLOUT: 1, Role.REWARD: 2 + idle_judges, Role.TRAIN: train_replicas})
     stt.plan = IterationPlan(0, rollout_seqs=8, group_size=1, rollout_tokens_per_seq=50,
                              reward_tokens_per_rollout=150, train_tokens_per_group=100,
                              reward_tokens_longest=longest)
