@@ -9,8 +9,8 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= dev
 PYTEST_ARGS ?=
-# pip's configured local wheel folders, for uv, which does not read pip's configuration
-FIND_LINKS := $(foreach d,$(shell $(PYTHON) -m pip config list 2>/dev/null | sed -n "s/.*find-links='\(.*\)'/\1/p" | sort -u),--find-links $(d))
+# pip's configured local wheel folders, for uv, which does not read pip's configuration (asked only when installing)
+FIND_LINKS = $(foreach d,$(shell $(PYTHON) -m pip config list 2>/dev/null | sed -n "s/.*find-links='\(.*\)'/\1/p" | sort -u),--find-links $(d))
 
 # apt-get as root (CI, containers); `make browser-test APT='sudo apt-get'` elsewhere
 APT ?= apt-get
