@@ -172,12 +172,37 @@ class Attention(nn.Module):
         cache.store(layer, where[0], where[1], k.transpose(0, 1), v.transpose(0, 1))
         y = torch.empty_like(q)
         gqa = kv != h
-        for start, n in spans:
-            part = slice(start, start + n)
-            y[:, part] = F.scaled_dot_product_attention(
-                q[None, :, part], k[None, :, part], v[None, :, part], is_causal=True, enable_gqa=gqa
-            )[0]
+        for n, rows in _equal_lengths(spans, q.device):
+            if isinstance(rows, slice):  # the only sequence of its length: its own slice, no gather
+                y[:, rows] = F.scaled_dot_product_attention(
+                    q[None, :, rows], k[None, :, rows], v[None, :, rows], is_causal=True, enable_gqa=gqa
+                )[0]
+                continue
+            m = rows.numel() // n
+            qs, ks, vs = (z[:, rows].view(z.shape[0], m, n, d).transpose(0, 1) for z in (q, k, v))
+            out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=gqa)  # [m, h, n, D]
+            y[:, rows] = out.transpose(0, 1).reshape(h, m * n, d)
         return y.transpose(0, 1).reshape(t, h * d)
+
+
+def _equal_lengths(spans, device) -> list[tuple[int, slice | torch.Tensor]]:
+    """The packed sequences grouped by length: (length, rows) with rows a slice for a length that one
+    sequence has, else the packed indices of every sequence of that length, sequence by sequence.
+
+    Why: attention ran once per sequence, and a prefill of hundreds of short prompts spent more in those
+    calls than in their arithmetic; sequences of one length attend as one batch instead (a batch of RL
+    prompts has few distinct lengths)."""
+    by_length: dict[int, list[int]] = {}
+    for start, n in spans:
+        by_length.setdefault(n, []).append(start)
+    out: list[tuple[int, slice | torch.Tensor]] = []
+    for n, starts in by_length.items():
+        if len(starts) == 1:
+            out.append((n, slice(starts[0], starts[0] + n)))
+        else:
+            base = torch.tensor(starts, dtype=torch.long, device=device)
+            out.append((n, (base[:, None] + torch.arange(n, device=device)[None, :]).reshape(-1)))
+    return out
 
 
 class MLP(nn.Module):

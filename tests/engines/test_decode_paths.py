@@ -74,6 +74,30 @@ def _prefill_then_decode_match_full_forward(native: bool) -> None:
             pos = pos + 1
 
 
+@pytest.mark.parametrize("native", [False, True], ids=["torch", "native"])
+def test_packed_prefill_of_repeated_lengths_equals_each_sequence_alone(native):
+    """Sequences of one length attend as one batch (`_equal_lengths`): in any order, mixed with lengths
+    that occur once, each sequence's logits and cached keys/values equal those of its prefill alone."""
+    if native and NATIVE is None:
+        pytest.skip("native kernels do not build here")
+    model = _spread_model(3)
+    model.native = NATIVE if native else None
+    rng = random.Random(5)
+    for trial in range(6):
+        lengths = [rng.choice([1, 2, 7, 7, 7, 12, 12, rng.randint(1, 20)]) for _ in range(rng.randint(1, 14))]
+        seqs = [[1] + [rng.randrange(4, 99) for _ in range(n - 1)] for n in lengths]
+        width = max(lengths) + 1
+        packed = KVSlots(model.config, slots=len(seqs), max_len=width, device="cpu", dtype=torch.float32)
+        alone = KVSlots(model.config, slots=len(seqs), max_len=width, device="cpu", dtype=torch.float32)
+        with torch.no_grad():
+            logits = model.prefill_packed(seqs, packed, slot0=0)
+            for i, s in enumerate(seqs):
+                assert _close(logits[i], model.prefill_packed([s], alone, slot0=i)[0]), (trial, lengths, i)
+        for i, n in enumerate(lengths):
+            got, want = packed.kv[:, :, i, :, :n], alone.kv[:, :, i, :, :n]
+            assert _close(got, want), (trial, lengths, i)
+
+
 @needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_native_decode_equals_torch_decode_and_stores_the_same_cache(dtype, kernel_isa):
