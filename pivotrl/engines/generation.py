@@ -314,7 +314,7 @@ class GenerationEngine(RequestBook):
         lengths = [len(s) for s in seqs]
         self._ensure_capacity(max(lengths) + 1)
         lens = torch.tensor(lengths, dtype=torch.long, device=self.device)
-        logits = self.model.prefill_packed(seqs, self.cache, slot0=row0)
+        logits = self._prefill_shared(row0, seqs)
 
         rows = slice(row0, row0 + len(reqs))
         self.lens[rows] = lens
@@ -349,6 +349,26 @@ class GenerationEngine(RequestBook):
             self.running.append(_Running(r, self.reservation(r)))
         self.prefill_tokens += sum(lengths)
         return logits
+
+    def _prefill_shared(self, row0: int, seqs: list[list[int]]) -> torch.Tensor:
+        """Prefill `seqs` into rows row0..; a sequence equal to an earlier one is not computed again: its
+        row gets a copy of the first one's cached keys and values, and the first one's logits.
+
+        Why: a GRPO group's samples share their prompt, so a batch of rollouts holds each prompt G times
+        (8–16), and all but one of those prefills would compute what the first one did."""
+        first: dict[tuple[int, ...], int] = {}
+        which = [first.setdefault(tuple(s), i) for i, s in enumerate(seqs)]
+        if len(first) == len(seqs):
+            return self.model.prefill_packed(seqs, self.cache, slot0=row0)
+        own = list(first.values())
+        logits = self.model.prefill_packed([seqs[i] for i in own], self.cache, slot0=row0,
+                                           slots=[row0 + i for i in own])
+        dups = [i for i, j in enumerate(which) if j != i]
+        for length in {len(seqs[i]) for i in dups}:
+            same = [i for i in dups if len(seqs[i]) == length]
+            self.cache.copy_slots([row0 + which[i] for i in same], [row0 + i for i in same], length)
+        at = {i: k for k, i in enumerate(own)}
+        return logits[torch.tensor([at[j] for j in which], device=logits.device)]
 
     def _decode(self, n: int) -> torch.Tensor:
         lens = self.lens[:n]

@@ -333,8 +333,10 @@ class CausalLM(nn.Module):
         h = h[torch.arange(h.shape[0], device=h.device), last]
         return linear(self.lm_head, h)
 
-    def prefill_packed(self, seqs: list[list[int]], cache: KVSlots, slot0: int) -> torch.Tensor:
-        """Run `seqs` into slots slot0.. packed back to back (no padding); logits [N, V] at each last token.
+    def prefill_packed(self, seqs: list[list[int]], cache: KVSlots, slot0: int,
+                       slots: list[int] | None = None) -> torch.Tensor:
+        """Run `seqs` into slots slot0.. (or the given `slots`, one per sequence) packed back to back (no
+        padding); logits [N, V] at each last token.
 
         Why packed: prompts are long-tailed, and a right-padded batch computes every row at the longest
         length (about 3x the real tokens for task prompts); only attention needs the sequence bounds.
@@ -343,9 +345,8 @@ class CausalLM(nn.Module):
         lengths = [len(s) for s in seqs]
         ids = torch.tensor([tok for s in seqs for tok in s], dtype=torch.long, device=dev)
         positions = torch.cat([torch.arange(n, device=dev) for n in lengths])
-        slots = torch.repeat_interleave(
-            torch.arange(slot0, slot0 + len(seqs), device=dev), torch.tensor(lengths, device=dev)
-        )
+        rows = torch.arange(slot0, slot0 + len(seqs)) if slots is None else torch.tensor(slots)
+        slots = torch.repeat_interleave(rows.to(dev, torch.long), torch.tensor(lengths, device=dev))
         starts = [sum(lengths[:i]) for i in range(len(lengths))]
         spans = list(zip(starts, lengths))
         x = self.model.embed_tokens(ids)

@@ -171,6 +171,30 @@ def test_seeded_sampling_is_reproducible_across_batch_composition(model):
     assert other[0].generated_ids != alone.generated_ids
 
 
+def test_a_groups_shared_prompt_is_prefilled_once_and_each_sample_is_its_own(model, kernel_isa):
+    """Requests that repeat a prompt (a GRPO group) prefill it once and copy its cache; each sample then
+    generates exactly what it generates alone, with its own seed, and a resumed request (its prompt plus
+    generated tokens) is only shared with an equal one."""
+    rng = random.Random(3)
+    prompts = _prompts(4, seed=8)
+    reqs = []
+    for i in range(14):  # groups of 1-5 repeats, interleaved, different seeds
+        p = prompts[rng.randrange(4)]
+        reqs.append(GenRequest(f"g{i}", p, SamplingParams(temperature=1.0, max_new_tokens=16, stop_ids=(),
+                                                          seed=rng.randrange(4))))
+    resumed = reqs[0]
+    reqs.append(GenRequest("r", resumed.prompt_ids, resumed.sampling, generated_ids=[5, 6],
+                           logprobs=[-1.0, -1.0]))
+    engine = _engine(model, max_batch=16)
+    together = {r.seq_id: r for r in engine.generate(reqs)}
+    assert engine.prefill_tokens == sum(len(r.prompt_ids) + len(r.generated_ids) for r in reqs)
+    for r in reqs:
+        alone = _engine(model).generate([r])[0]
+        assert together[r.seq_id].generated_ids == alone.generated_ids, r.seq_id
+        assert together[r.seq_id].logprobs == pytest.approx(alone.logprobs, abs=1e-5), r.seq_id
+    assert len({tuple(together[r.seq_id].generated_ids) for r in reqs}) > 4  # samples differ: not vacuous
+
+
 def test_cache_growth_does_not_change_results(model):
     sampling = SamplingParams(temperature=0, max_new_tokens=60, stop_ids=())
     prompts = _prompts(3, seed=7, lo=20, hi=40)
