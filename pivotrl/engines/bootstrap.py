@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from pivotrl.config import PipelineConfig, SFTConfig, add_override_argument, load_config
+from pivotrl.engines.checkpoints import char_ids
 from pivotrl.engines.genrm import JudgeTemplate
 from pivotrl.engines.kernels import ISAS
 from pivotrl.engines.sft_progress import Board, reporter
@@ -149,11 +150,17 @@ def new_model(config, seed: int):
     return model
 
 
-def encode_pairs(tokenizer, pairs: Sequence[Pair]) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids with <bos>, target ids + <eos>)."""
+def encode_pairs(tokenizer, pairs: Sequence[Pair],
+                 char_level: bool = False) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids with <bos>, target ids + <eos>). `char_level`: `tokenizer` is `build_tokenizer()`'s,
+    whose ids `char_ids` computes without it."""
     eos = tokenizer.eos_token_id
-    prompts = tokenizer([p.prompt for p in pairs])["input_ids"]  # batched: the Rust tokenizer, one call
-    targets = tokenizer([p.target for p in pairs], add_special_tokens=False)["input_ids"]
+    if char_level:
+        prompts = char_ids([p.prompt for p in pairs], tokenizer, bos=True)
+        targets = char_ids([p.target for p in pairs], tokenizer, bos=False)
+    else:  # batched: the Rust tokenizer, one call
+        prompts = tokenizer([p.prompt for p in pairs])["input_ids"]
+        targets = tokenizer([p.target for p in pairs], add_special_tokens=False)["input_ids"]
     return [(list(p), [*t, eos]) for p, t in zip(prompts, targets, strict=True)]
 
 
@@ -172,13 +179,21 @@ class Tokenised:
 
     @classmethod
     def build(cls, data: Sequence[tuple[list[int], list[int]]], pad_id: int) -> Tokenised:
-        lengths = [len(p) + len(t) for p, t in data]
-        ids = torch.full((len(data), max(lengths, default=1)), pad_id, dtype=torch.long)
+        prompt = torch.tensor([len(p) for p, _ in data], dtype=torch.long)
+        target = torch.tensor([len(t) for _, t in data], dtype=torch.long)
+        lengths = prompt + target
+        width = int(lengths.max()) if len(data) else 1
+        ids = torch.full((len(data), width), pad_id, dtype=torch.long)
         labels = torch.full_like(ids, -100)
-        for row, (p, t) in enumerate(data):
-            ids[row, : len(p) + len(t)] = torch.tensor(p + t)
-            labels[row, len(p) : len(p) + len(t)] = torch.tensor(t)
-        return cls(ids, labels, torch.tensor(lengths), torch.tensor([len(t) for _, t in data]))
+        # every token at once: its row, and its column within the row (one tensor call, not one per row)
+        flat = torch.tensor([tok for p, t in data for tok in (*p, *t)], dtype=torch.long)
+        rows = torch.repeat_interleave(torch.arange(len(data)), lengths)
+        starts = torch.cumsum(lengths, 0) - lengths
+        cols = torch.arange(flat.numel()) - torch.repeat_interleave(starts, lengths)
+        ids[rows, cols] = flat
+        is_target = cols >= torch.repeat_interleave(prompt, lengths)
+        labels[rows[is_target], cols[is_target]] = flat[is_target]
+        return cls(ids, labels, lengths, target)
 
 
 Progress = Callable[[int, int, float], None]  # (steps done, steps in all, latest step's loss)
@@ -336,7 +351,7 @@ def train_role(
             pairs = policy_pairs(problems, sft_cfg.sloppy, seed=_data_seed(sft_cfg, role))
         else:
             pairs, _ = judge_pairs(task, problems, JudgeTemplate(), seed=_data_seed(sft_cfg, role))
-        data = encode_pairs(tokenizer, pairs)
+        data = encode_pairs(tokenizer, pairs, char_level=True)
     torch.manual_seed(sft_cfg.seed)
     if role == "genrm" and sft_cfg.init == "policy":
         from pivotrl.engines.checkpoints import load_config as load_hf_config
