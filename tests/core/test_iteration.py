@@ -820,6 +820,33 @@ def test_a_move_costs_its_shift_and_never_pays_for_itself(
         assert t_slow == pytest.approx(max(t_split, float(static_makespans(slow, gone)[0])), rel=1e-9)
 
 
+@pytest.mark.parametrize("cap", [512.0, 16.0], ids=["all-admitted-on-arrival", "queued"])
+def test_a_judge_replica_moved_in_after_the_last_admission_counts_for_nothing(cap: float) -> None:
+    """A judge replica that arrives after the judge replicas already there have admitted every item finds
+    no queue (the simulator leaves running items where they are): its move buys nothing. Where the items
+    queue past its arrival it takes a share of them."""
+    n = 512.0
+    stg = {
+        Role.ROLLOUT: Stage(Role.ROLLOUT, 1, n, 20.0, 40.0, 0.01, 1e-4, 1.0, 512.0, 1.0, True),
+        Role.REWARD: Stage(Role.REWARD, 1, n, 200.0, 400.0, 0.01, 1e-4, 1.0, cap, 5.0, True),
+        Role.TRAIN: Stage(Role.TRAIN, 1, n, 100.0, 100.0, 1e-3, 1e-5, 100.0, 64.0, 1.0, False),
+    }
+    split = {Role.ROLLOUT: 1, Role.REWARD: 2, Role.TRAIN: 1}
+    placed = {Role.ROLLOUT: 1, Role.REWARD: 1, Role.TRAIN: 2}
+
+    def makespan(reps: dict[Role, float]) -> float:
+        return float(static_makespans(stg, {r: np.asarray([v]) for r, v in reps.items()})[0])
+
+    t_split = makespan({r: float(v) for r, v in split.items()})
+    without = makespan({Role.ROLLOUT: 1.0, Role.REWARD: 1.0, Role.TRAIN: 1.0})  # the moved replica absent
+    assert stg[Role.REWARD].shift_s > float(stg[Role.ROLLOUT].timing(np.asarray(1.0))[1])  # it lands late
+    moved = moved_makespan(stg, split, placed, t_split)
+    if cap >= n:
+        assert moved == pytest.approx(max(t_split, without), rel=1e-12)
+    else:
+        assert t_split <= moved < without
+
+
 def fifo_starts(arrivals: list[float], slots: int, sojourn: float) -> list[float]:
     """A reference queue: `slots` servers, first come first served, every item held `sojourn` seconds."""
     starts: list[float] = []
