@@ -20,6 +20,7 @@ config-derived sizes (`arch.py`), and loading/saving HF directories (`checkpoint
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -346,15 +347,15 @@ class CausalLM(nn.Module):
         ids = torch.tensor([tok for s in seqs for tok in s], dtype=torch.long, device=dev)
         positions = torch.cat([torch.arange(n, device=dev) for n in lengths])
         rows = torch.arange(slot0, slot0 + len(seqs)) if slots is None else torch.tensor(slots)
-        slots = torch.repeat_interleave(rows.to(dev, torch.long), torch.tensor(lengths, device=dev))
-        starts = [sum(lengths[:i]) for i in range(len(lengths))]
+        token_slots = torch.repeat_interleave(rows.to(dev, torch.long), torch.tensor(lengths, device=dev))
+        starts = [0, *itertools.accumulate(lengths)][:-1]
         spans = list(zip(starts, lengths))
         x = self.model.embed_tokens(ids)
         cos, sin = self._rope(positions[None], x.dtype)
         cos, sin = cos[0], sin[0]  # [1, T, D]: broadcast over heads
         last = torch.tensor([s + n - 1 for s, n in spans], device=dev)
         native = self.native if self._native_ok(positions, x.dtype) else None
-        where = (slots, positions)
+        where = (token_slots, positions)
 
         def attend(i: int, qkv: torch.Tensor) -> torch.Tensor:
             return self.model.layers[i].self_attn.prefill_packed(qkv, cos, sin, cache, i, where, spans)
