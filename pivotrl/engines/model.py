@@ -161,10 +161,12 @@ class Attention(nn.Module):
             return self.qkv(x)
         return torch.cat([linear(self.q_proj, x), linear(self.k_proj, x), linear(self.v_proj, x)], dim=-1)
 
-    def prefill_packed(self, qkv: torch.Tensor, cos, sin, cache: KVSlots, layer: int, where: tuple, spans):
+    def prefill_packed(self, qkv: torch.Tensor, cos, sin, cache: KVSlots, layer: int, where: tuple,
+                       by_length: list[tuple[int, slice | torch.Tensor]]):
         """Several sequences packed back to back, qkv [T, (heads + 2 kv_heads) * head_dim] (no padding):
-        causal attention within each `spans` (start, length); token t's keys/values go to cache slot
-        where[0][t], position where[1][t]. Returns [T, heads * head_dim] before o_proj."""
+        causal attention within each sequence, the sequences grouped by length (`_equal_lengths`); token
+        t's keys/values go to cache slot where[0][t], position where[1][t]. Returns [T, heads * head_dim]
+        before o_proj."""
         t, d, h, kv = qkv.shape[0], self.head_dim, self.n_heads, self.n_kv
         heads = qkv.view(t, h + 2 * kv, d).transpose(0, 1)  # [heads, T, D]
         q = apply_rope(heads[:h], cos, sin)
@@ -173,7 +175,7 @@ class Attention(nn.Module):
         cache.store(layer, where[0], where[1], k.transpose(0, 1), v.transpose(0, 1))
         y = torch.empty_like(q)
         gqa = kv != h
-        for n, rows in _equal_lengths(spans, q.device):
+        for n, rows in by_length:
             if isinstance(rows, slice):  # the only sequence of its length: its own slice, no gather
                 y[:, rows] = F.scaled_dot_product_attention(
                     q[None, :, rows], k[None, :, rows], v[None, :, rows], is_causal=True, enable_gqa=gqa
@@ -356,9 +358,10 @@ class CausalLM(nn.Module):
         last = torch.tensor([s + n - 1 for s, n in spans], device=dev)
         native = self.native if self._native_ok(positions, x.dtype) else None
         where = (token_slots, positions)
+        by_length = _equal_lengths(spans, dev)  # the same for every layer
 
         def attend(i: int, qkv: torch.Tensor) -> torch.Tensor:
-            return self.model.layers[i].self_attn.prefill_packed(qkv, cos, sin, cache, i, where, spans)
+            return self.model.layers[i].self_attn.prefill_packed(qkv, cos, sin, cache, i, where, by_length)
 
         return self._blocks(x, attend, native, last)
 
