@@ -338,6 +338,9 @@ class SyncReport(Wire):
     flushed: GradResult | None = None
     shift_done: ShiftDone | None = None
     acked: int = 0  # `seq` of the last reply this host received: the ones after it were lost in transit
+    # The host has no work: the scheduler may hold a reply that would carry nothing up to this long, and
+    # answer as soon as there is a command (an idle host then needs no poll timer to find work)
+    hold_s: float = 0.0
 
     def merge_back(self, later: SyncReport) -> None:
         """Put this (unsent) report's contents in front of `later`'s: nothing is lost when a sync fails."""
@@ -360,5 +363,9 @@ class SyncReply(Wire):
     flush: bool = False
     unknown: bool = False
     seq: int = 0  # the reply's number (one sequence for all workers), acknowledged by `SyncReport.acked`
+
+    def empty(self) -> bool:
+        """Nothing for the host to do: no items, aborts, shift, flush, and not a stand-by."""
+        return not (self.assign or self.abort or self.shift is not None or self.flush or self.unknown)
 
 

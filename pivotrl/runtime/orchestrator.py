@@ -345,6 +345,16 @@ class Orchestrator:
             info.unacked[seq] = ([i.id for i in reply.assign], list(reply.abort))
         return reply, drained
 
+    def has_commands(self, worker: str) -> bool:
+        """Whether a sync from `worker` now would carry anything (items, aborts, a shift, a flush); an
+        unknown worker's stand-by counts. Read-only: a held idle sync polls it (`handle_sync`)."""
+        info = self.workers.get(worker)
+        if info is None:
+            return True
+        if info.status == WorkerStatus.SHIFTING:
+            return info.shift is not None or info.flush or bool(self.ledger.aborts.get(worker))
+        return bool(self.ledger.outbox.get(worker) or self.ledger.aborts.get(worker) or info.flush)
+
     def _acknowledge(self, info: WorkerInfo, acked: int) -> None:
         """A host syncs once its last reply arrived or its wait for it failed, so the replies after the one
         it acknowledges never reached it: their items go out again, their aborts are asked again (a shift

@@ -146,7 +146,7 @@ class RoleHost:
     def __init__(self, env: WorkerEnv, send_sync: SendSync, *, worker: str, session: str = "",
                  contexts: Mapping[str, str] | None = None, park: bool = True, idle_poll_s: float = 0.02,
                  progress_every_s: float = 0.5, sync_every_s: float = 0.01,
-                 sync_timeout_s: float = 60.0) -> None:
+                 sync_timeout_s: float = 60.0, idle_hold_s: float = 0.0) -> None:
         self.env = env
         self.send_sync = send_sync
         self.worker = worker
@@ -160,6 +160,9 @@ class RoleHost:
         # (see docs/decisions.md#a-streaming-worker-syncs-at-most-every-sync_every_s).
         self.sync_every_s = sync_every_s
         self.sync_timeout_s = sync_timeout_s
+        # With no work, ask the scheduler to hold an empty reply this long (`SyncReport.hold_s`) instead of
+        # polling every `idle_poll_s`: work then arrives when it exists. 0: poll (a scheduler without holds).
+        self.idle_hold_s = idle_hold_s
         self.ctx: RoleContext | None = None
         self.role: str | None = None
         self.stop = threading.Event()
@@ -179,10 +182,11 @@ class RoleHost:
         return SyncReport(worker=self.worker, session=self.session, acked=self._acked)
 
     # -- talking to the scheduler ---------------------------------------------------------------------
-    def _send(self) -> tuple[Future[SyncReply], SyncReport]:
+    def _send(self, hold_s: float = 0.0) -> tuple[Future[SyncReply], SyncReport]:
         out, self._out = self._out, self._new_report()
         out.free = max(0, int(self.ctx.free_slots()) - len(self._pending)) if self.ctx is not None else 0
         out.sync_s = self._sync_s
+        out.hold_s = hold_s
         self._last_sync = time.perf_counter()
         return self.send_sync(out), out
 
@@ -216,8 +220,10 @@ class RoleHost:
                 return self.step()
             except Exception:
                 logger.exception("pivotrl role host failed stepping its %s context", self.role)
+        idle = self.ctx is None or not (self.ctx.has_work() or self._pending)
+        sent = time.perf_counter()
         try:
-            fut, out = self._send()
+            fut, out = self._send(self.idle_hold_s if idle else 0.0)
         except Exception:
             logger.info("pivotrl sync could not start; retrying", exc_info=True)
             self.stop.wait(0.2)
@@ -241,8 +247,8 @@ class RoleHost:
         except Exception:
             logger.exception("pivotrl role host failed applying a reply (shift %s)", reply.shift)
             busy = False
-        if not (busy or stepped):
-            self.stop.wait(self.idle_poll_s)
+        if not (busy or stepped):  # a poll at most every idle_poll_s: a held sync has waited already
+            self.stop.wait(max(0.0, self.idle_poll_s - (time.perf_counter() - sent)))
         return busy or stepped
 
     def _sync_due(self) -> bool:

@@ -6,8 +6,9 @@ message crosses as plain data and is rebuilt into the typed messages of `message
 comes from pivotrl.core's `Controller` inside the orchestrator and is logged with
 `scheduler.log_event("pivotrl", ...)`.
 
-Why pull-based: workers call `pivotrl_sync` after engine steps (and every few ms when idle) carrying
-finished work, partial progress, step samples and free slots; the reply carries the worker's commands. So
+Why pull-based: workers call `pivotrl_sync` after engine steps carrying finished work, partial progress,
+step samples and free slots; the reply carries the worker's commands (an idle worker's sync is held until
+it has one, or a fraction of a second passes). So
 the scheduler never needs a connection to the worker, commands reach it within one engine step, and a lost
 worker simply stops syncing.
 """
@@ -33,6 +34,8 @@ PLUGIN_NAME = "pivotrl"
 EVENT_TICK_GAP_S = 0.01
 #: The longest a driver's `pivotrl_collect` is held waiting for output (it asks for less).
 MAX_COLLECT_WAIT_S = 1.0
+#: The longest an idle host's sync is held for a command (`SyncReport.hold_s` asks for at most this).
+MAX_SYNC_HOLD_S = 0.5
 
 
 class PivotSchedulerPlugin(SchedulerPlugin):
@@ -55,6 +58,7 @@ class PivotSchedulerPlugin(SchedulerPlugin):
         self._exporter: Any = None
         self.reports: list[IterationReport] = []  # the driver's, one per iteration: the page's learning curve
         self._output: asyncio.Event | None = None  # set when results or sums wait for the driver
+        self._held_syncs: set[asyncio.Event] = set()  # one per idle host's sync held for a command
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -62,6 +66,7 @@ class PivotSchedulerPlugin(SchedulerPlugin):
         state.pop("_task", None)
         state.pop("_exporter", None)
         state.pop("_output", None)
+        state.pop("_held_syncs", None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -69,6 +74,7 @@ class PivotSchedulerPlugin(SchedulerPlugin):
         self._task = None
         self._exporter = None
         self._output = None
+        self._held_syncs = set()
 
     # -- lifecycle ------------------------------------------------------------------------------------
     async def start(self, scheduler: Any) -> None:
@@ -113,6 +119,7 @@ class PivotSchedulerPlugin(SchedulerPlugin):
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._task
+        self._wake_held()  # held syncs see the plugin closed and answer now
 
     async def _ticker(self) -> None:
         while True:
@@ -132,6 +139,7 @@ class PivotSchedulerPlugin(SchedulerPlugin):
         self.orch.tick(now)
         self.plan_s += time.perf_counter() - t0  # the controller's CPU cost, reported in the state
         self.plans += 1
+        self._wake_held()
 
     def _tick_on_event(self) -> None:
         """Plan now rather than at the next periodic tick: new work arrived or a role ran dry, the two
@@ -165,7 +173,11 @@ class PivotSchedulerPlugin(SchedulerPlugin):
         self.orch.lose(worker, self.now(), stimulus=stimulus_id)
 
     # -- handlers: worker side ------------------------------------------------------------------------
-    def handle_sync(self, report: dict[str, Any]) -> dict[str, Any]:
+    async def handle_sync(self, report: dict[str, Any]) -> dict[str, Any]:
+        """Apply a host's report and answer with its commands. A host with no work asks for a hold
+        (`SyncReport.hold_s`): a reply that would carry nothing is then held until the host has a command
+        or the hold ends. Why: an idle host polled every 20 ms, so new work waited half a poll and a
+        round trip on average, at every stage change, and the polls cost the scheduler CPU."""
         rep = SyncReport.from_wire(report)
         if rep.session != self.session:
             return SyncReply(unknown=True).to_wire()
@@ -175,12 +187,40 @@ class PivotSchedulerPlugin(SchedulerPlugin):
         urgent = rep.flushed is not None or drained  # what an iteration's next step waits on
         if self._output is not None and urgent and self.orch.ledger.has_output():
             self._output.set()
+        self._wake_held()  # the report may have freed or queued work for a held host
+        hold = min(float(rep.hold_s), MAX_SYNC_HOLD_S)
+        if hold > 0 and reply.empty() and await self._held(rep.worker, hold):
+            again = SyncReport(worker=rep.worker, session=rep.session, free=rep.free, sync_s=rep.sync_s,
+                               acked=rep.acked)
+            reply, _ = self.orch.sync(again, self.now())  # the empty reply was never sent: no ack lost
         return reply.to_wire()
+
+    async def _held(self, worker: str, hold: float) -> bool:
+        """Wait until `worker` has a command (True) or `hold` seconds pass (False)."""
+        deadline = time.monotonic() + hold
+        while not self.orch.has_commands(worker):
+            left = deadline - time.monotonic()
+            if left <= 0 or self._task is None or self._task.done():
+                return False
+            wake = asyncio.Event()
+            self._held_syncs.add(wake)
+            try:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(wake.wait(), left)
+            finally:
+                self._held_syncs.discard(wake)
+        return True
+
+    def _wake_held(self) -> None:
+        """Something changed that may give a held host a command: let each check again."""
+        for wake in self._held_syncs:
+            wake.set()
 
     # -- handlers: driver side ------------------------------------------------------------------------
     def handle_submit(self, items: list[dict[str, Any]]) -> int:
         n = self.orch.submit([WorkRequest.from_wire(d) for d in items], self.now())
         self._tick_on_event()
+        self._wake_held()
         return n
 
     def handle_begin_iteration(self, plan: dict[str, Any]) -> None:
@@ -205,13 +245,18 @@ class PivotSchedulerPlugin(SchedulerPlugin):
 
     def handle_flush(self, iteration: int) -> None:
         self.orch.flush(iteration)
+        self._wake_held()
 
     def handle_shift(self, worker: str, role: str | None) -> str:
         """An operator's shift (tests, operators); core executes it."""
-        return self.orch.request_shift(worker, role, self.now())
+        shift_id = self.orch.request_shift(worker, role, self.now())
+        self._wake_held()
+        return shift_id
 
     def handle_abort(self, items: list[str]) -> int:
-        return self.orch.abort(list(items), self.now())
+        n = self.orch.abort(list(items), self.now())
+        self._wake_held()
+        return n
 
     def handle_state(self) -> dict[str, Any]:
         return self.orch.state(self.now(), self.plan_s, self.plans)

@@ -48,7 +48,7 @@ class PivotWorkerPlugin(WorkerPlugin):
 
     def __init__(self, *, torch_threads: int = 1, pin_cores: bool = True, device: str = "cpu",
                  gps: dict[str, Any] | None = None, storage_root: str = "storage", idle_poll_s: float = 0.02,
-                 progress_every_s: float = 0.5, sync_every_s: float = 0.01,
+                 progress_every_s: float = 0.5, sync_every_s: float = 0.01, idle_hold_s: float = 0.25,
                  contexts: dict[str, str] | None = None, session: str = "",
                  park_contexts: bool | None = None) -> None:
         self.session = session
@@ -58,7 +58,7 @@ class PivotWorkerPlugin(WorkerPlugin):
         self.gps_options = gps
         self.storage_root = storage_root
         self.host_options = {"idle_poll_s": idle_poll_s, "progress_every_s": progress_every_s,
-                             "sync_every_s": sync_every_s, "contexts": contexts}
+                             "sync_every_s": sync_every_s, "idle_hold_s": idle_hold_s, "contexts": contexts}
         # Parking a left role's context is the default: each context says whether it may (`parkable`):
         # on CPU, where device memory is host memory, and vLLM on a GPU, which sleeps into host memory.
         self.park_contexts = park_contexts

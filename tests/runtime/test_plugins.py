@@ -8,7 +8,8 @@ import asyncio
 
 from distributed.utils_test import gen_cluster
 
-from pivotrl.runtime.messages import Collected, SyncReply, SyncReport, WorkRequest
+from pivotrl.core.types import ShiftTimings
+from pivotrl.runtime.messages import Collected, ShiftDone, SyncReply, SyncReport, WorkRequest
 from pivotrl.runtime.scheduler_plugin import PivotSchedulerPlugin
 from pivotrl.runtime.worker_plugin import PivotWorkerPlugin
 from tests.runtime.fakes import token
@@ -97,3 +98,85 @@ async def test_a_collect_is_held_until_output_arrives_and_no_longer(c, s, a, b):
     t0 = loop.time()
     out = Collected.from_wire(await c.scheduler.pivotrl_collect(wait_s=20.0))
     assert [r.id for r in out.results] == ["y1"] and loop.time() - t0 < 0.5
+
+
+async def ready_by_hand(c, s, worker: str, role: str = "rollout") -> PivotSchedulerPlugin:
+    """The scheduler plugin alone (no worker plugin): `worker` is driven by hand through its first shift
+    and is then a ready `role` host with free slots."""
+    await c.register_plugin(PivotSchedulerPlugin(manual([role]), specs(), tick_s=0.05, session="h"))
+    first = SyncReply.from_wire(await c.scheduler.pivotrl_sync(report=SyncReport(worker, "h").to_wire()))
+    assert first.shift is not None and first.shift.role == role
+    done = ShiftDone(first.shift.id, role, None, ShiftTimings())
+    report = SyncReport(worker, "h", free=8, shift_done=done, acked=first.seq).to_wire()
+    ready = SyncReply.from_wire(await c.scheduler.pivotrl_sync(report=report))
+    assert ready.empty()
+    plugin = s.plugins["pivotrl"]
+    assert plugin.orch.workers[worker].role == role
+    return plugin
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)], timeout=60)
+async def test_an_idle_hosts_sync_is_held_until_work_arrives(c, s, a):
+    """A sync asking for a hold returns when an item is dispatched to its host, not at the hold's end; the
+    item's reply is acknowledged like any other (the empty reply that was never sent costs nothing)."""
+    plugin = await ready_by_hand(c, s, a.address)
+    loop = asyncio.get_running_loop()
+    idle = SyncReport(a.address, "h", free=8, hold_s=5.0, acked=0).to_wire()
+    held = asyncio.ensure_future(c.scheduler.pivotrl_sync(report=idle))
+    await asyncio.sleep(0.3)
+    assert not held.done()  # nothing to do: the reply waits
+    t0 = loop.time()
+    await c.scheduler.pivotrl_submit(items=[WorkRequest("h0", "rollout", {"target_len": 2},
+                                                        max_new_tokens=2).to_wire()])
+    reply = SyncReply.from_wire(await held)
+    assert [i.id for i in reply.assign] == ["h0"] and loop.time() - t0 < 1.0
+    # acknowledging that reply redelivers nothing: the item stays running where it went
+    after = SyncReport(a.address, "h", free=7, acked=reply.seq).to_wire()
+    again = SyncReply.from_wire(await c.scheduler.pivotrl_sync(report=after))
+    assert again.empty()
+    assert plugin.orch.ledger.items["h0"].worker == a.address
+    assert not [e for e in plugin.orch.events if e["kind"] == "redeliver"]
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)], timeout=60)
+async def test_a_held_sync_ends_at_its_hold_the_cap_or_a_command(c, s, a):
+    """With nothing to do a held sync answers empty after its hold (never longer than the cap); a reply
+    with a command is never held; closing the plugin answers held syncs at once."""
+    from pivotrl.runtime.scheduler_plugin import MAX_SYNC_HOLD_S
+
+    plugin = await ready_by_hand(c, s, a.address)
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    reply = SyncReply.from_wire(await c.scheduler.pivotrl_sync(
+        report=SyncReport(a.address, "h", free=8, hold_s=0.3).to_wire()))
+    assert reply.empty() and 0.29 <= loop.time() - t0 < 0.29 + MAX_SYNC_HOLD_S
+    t0 = loop.time()
+    reply = SyncReply.from_wire(await c.scheduler.pivotrl_sync(
+        report=SyncReport(a.address, "h", free=8, hold_s=1e6).to_wire()))
+    assert reply.empty() and loop.time() - t0 < MAX_SYNC_HOLD_S + 0.5
+    # a shift asked for while the host is not syncing reaches it with its next sync, held or not
+    shift_id = await c.scheduler.pivotrl_shift(worker=a.address, role="reward")
+    t0 = loop.time()
+    reply = SyncReply.from_wire(await c.scheduler.pivotrl_sync(
+        report=SyncReport(a.address, "h", free=8, hold_s=5.0).to_wire()))
+    assert reply.shift is not None and reply.shift.id == shift_id and loop.time() - t0 < 1.0
+    # a shift asked for during the hold ends it
+    done = ShiftDone(shift_id, "reward", "rollout", ShiftTimings())
+    await c.scheduler.pivotrl_sync(report=SyncReport(a.address, "h", free=8, shift_done=done,
+                                                     acked=reply.seq).to_wire())
+    held = asyncio.ensure_future(c.scheduler.pivotrl_sync(
+        report=SyncReport(a.address, "h", free=8, hold_s=5.0).to_wire()))
+    await asyncio.sleep(0.2)
+    assert not held.done()
+    t0 = loop.time()
+    second = await c.scheduler.pivotrl_shift(worker=a.address, role="rollout")
+    reply = SyncReply.from_wire(await held)
+    assert reply.shift is not None and reply.shift.id == second and loop.time() - t0 < 1.0
+    # closing the plugin answers a held sync now
+    held = asyncio.ensure_future(c.scheduler.pivotrl_sync(
+        report=SyncReport(a.address, "h", free=8, hold_s=5.0).to_wire()))
+    await asyncio.sleep(0.2)
+    t0 = loop.time()
+    await plugin.close()
+    await held
+    assert loop.time() - t0 < 1.0

@@ -505,3 +505,27 @@ def test_reply_numbers_are_one_sequence_and_an_unacknowledged_reply_is_sent_agai
     assert [i.id for i in again.assign] == ["a"]  # the reply that carried it was never acknowledged
     after, _ = orch.sync(SyncReport(worker=owner, free=8, acked=again.seq), 0.4)
     assert after.assign == []
+
+
+def test_an_idle_host_asks_for_a_hold_and_does_not_poll_after_one() -> None:
+    """With no work the host's sync asks the scheduler to hold an empty reply (`idle_hold_s`); a reply that
+    was held at least `idle_poll_s` is not followed by the poll's sleep, and one that came back at once is
+    (a scheduler that does not hold). A host with work never asks for a hold."""
+    sent: list = []
+    idle = _Held(left=0)
+    host = _host(_replying(0.0, [], sent), idle, idle_hold_s=0.25, idle_poll_s=0.2)
+    t0 = time.perf_counter()
+    host.run_once()
+    assert sent[-1].hold_s == 0.25
+    assert time.perf_counter() - t0 >= 0.19  # answered at once: the poll's sleep follows
+    host = _host(_replying(0.2, [], sent), idle, idle_hold_s=0.25, idle_poll_s=0.2)
+    t0 = time.perf_counter()
+    host.run_once()
+    assert 0.19 <= time.perf_counter() - t0 < 0.35  # held 0.2 s: no second 0.2 s of sleep
+    busy = _Held(step_s=0.001)
+    host = _host(_replying(0.0, [], sent), busy, idle_hold_s=0.25, sync_every_s=0.0)
+    host.run_once()
+    assert sent[-1].hold_s == 0.0
+    plain = _host(_replying(0.0, [], sent), idle)  # the default polls and asks for nothing
+    plain.run_once()
+    assert sent[-1].hold_s == 0.0
