@@ -16,6 +16,8 @@ tokenizer's, and `load_tokenizer` restores it.
 
 from __future__ import annotations
 
+import functools
+
 import json
 import os
 import shutil
@@ -100,6 +102,34 @@ def char_ids(texts: Sequence[str], tokenizer, bos: bool) -> list[list[int]]:
         for i, ids in zip(special, done, strict=True):
             out[i] = list(ids)
     return out  # type: ignore[return-value]
+
+
+def is_builtin_tokenizer(tokenizer) -> bool:
+    """Whether `tokenizer` encodes and decodes as `build_tokenizer()`'s does: the same backend (vocabulary,
+    per-character split, post-processor and decoder; a chat template lives outside it), so that
+    `char_ids` and `char_text` stand in for it."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return False
+    try:
+        return backend.to_str() == _builtin_backend()
+    except Exception:  # a backend that cannot be serialised is not ours
+        return False
+
+
+@functools.cache
+def _builtin_backend() -> str:
+    return build_tokenizer().backend_tokenizer.to_str()
+
+
+#: The built-in tokenizer's character of every id that decodes to one (special tokens decode to nothing).
+ID_CHARS = {i: ch for ch, i in CHAR_IDS.items()}
+
+
+def char_text(ids: Sequence[int]) -> str:
+    """What `build_tokenizer()`'s tokenizer decodes `ids` to with ``skip_special_tokens=True``."""
+    get = ID_CHARS.get
+    return "".join([get(i, "") for i in ids])
 
 
 def build_tokenizer(chat_template: str | None = None):

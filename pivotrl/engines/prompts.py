@@ -14,9 +14,11 @@ The judge's user message is the config's ``reward.judge.template`` filled with `
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
+from pivotrl.engines.checkpoints import char_ids, char_text, is_builtin_tokenizer
 from pivotrl.engines.genrm import (
     BuiltinParser,
     JudgeTemplate,
@@ -55,12 +57,26 @@ class ChatSide:
             messages, tokenize=False, add_generation_prompt=True, **self.template_kwargs
         )
 
+    @functools.cached_property
+    def builtin(self) -> bool:
+        """The tokenizer is the built-in character tokenizer's (`checkpoints.is_builtin_tokenizer`): ids
+        and text are then a lookup per character. Why: the driver encodes every judge prompt and decodes
+        every response, and the tokenizer's call cost it a tenth of its CPU in the demo's RL phase, CPU
+        that the two devices' processes share on a small machine."""
+        return is_builtin_tokenizer(self.tokenizer)
+
     def ids(self, user: str) -> list[int]:
         if not self.chat:
+            if self.builtin:
+                return char_ids([user], self.tokenizer, bos=True)[0]
             return list(self.tokenizer(user)["input_ids"])
+        if self.builtin:
+            return char_ids([self.text(user)], self.tokenizer, bos=False)[0]
         return list(self.tokenizer(self.text(user), add_special_tokens=False)["input_ids"])
 
     def decode(self, ids: list[int]) -> str:
+        if self.builtin:
+            return char_text(ids)
         eos = self.tokenizer.eos_token_id
         return self.tokenizer.decode([i for i in ids if i != eos], skip_special_tokens=True)
 

@@ -37,6 +37,7 @@ class ItemState(StrEnum):
 
 
 _PLAIN = (int, float, str, bool, type(None))
+_PLAIN_TYPES = frozenset(_PLAIN)
 
 
 @functools.cache
@@ -53,6 +54,8 @@ def encode(value: Any) -> Any:
     if names is not None:
         return {n: encode(getattr(value, n)) for n in names}
     if isinstance(value, (list, tuple)):
+        if _PLAIN_TYPES.issuperset(map(type, value)):  # token ids, log-probs: one C-level pass
+            return list(value)
         return [v if type(v) in _PLAIN else encode(v) for v in value]
     if isinstance(value, Mapping):
         return {k: encode(v) for k, v in value.items()}
@@ -75,7 +78,7 @@ def _scalar(kind: type, accepted: tuple[type, ...]) -> Callable[[Any], Any]:
 
 _SCALARS = {int: _scalar(int, (int,)), float: _scalar(float, (int, float)), str: _scalar(str, (str,)),
             bool: _scalar(bool, (bool,))}
-_EXACT = {int: (int,), float: (float,), str: (str,)}  # the types a scalar list may hold as they are
+_EXACT = {int: frozenset({int}), float: frozenset({float}), str: frozenset({str})}  # a scalar list's own types
 
 
 @functools.cache
@@ -93,7 +96,7 @@ def _decoder(hint: Any) -> Callable[[Any], Any]:
         return lambda value: from_wire(hint, value)
     if origin in (list, tuple) and args[0] in _EXACT:  # token ids, log-probs, ids: check, do not rebuild
         exact, item, make = _EXACT[args[0]], _decoder(args[0]), origin
-        return lambda value: (make(value) if all(type(v) in exact for v in value)
+        return lambda value: (make(value) if exact.issuperset(map(type, value))
                               else make(item(v) for v in value))
     if origin in (list, tuple):
         item = _decoder(args[0])

@@ -43,3 +43,47 @@ def test_the_table_is_what_a_loop_over_rows_builds(data, pad_id):
     ids, labels, lengths, targets = _rows_one_by_one(data, pad_id)
     assert torch.equal(table.ids, ids) and torch.equal(table.labels, labels)
     assert torch.equal(table.lengths, lengths) and torch.equal(table.targets, targets)
+
+
+def _tokenizer_side(side):
+    """The same `ChatSide` going through the tokenizer (its built-in lookup switched off)."""
+    from pivotrl.engines.prompts import ChatSide
+
+    slow = ChatSide(side.tokenizer, side.chat, side.system_prompt, dict(side.template_kwargs))
+    slow.__dict__["builtin"] = False
+    return slow
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=texts, chat=st.booleans(), ids=st.lists(st.integers(0, 120), max_size=30))
+def test_a_chat_side_with_the_builtin_tokenizer_encodes_and_decodes_as_the_tokenizer(text, chat, ids):
+    """The driver's lookup per character gives the tokenizer's prompt ids and response text, with the chat
+    template or without, for known, unknown and special-token characters, and ids past the vocabulary
+    (the engines' ids are never negative)."""
+    from pivotrl.engines.checkpoints import TINY_CHAT_TEMPLATE
+    from pivotrl.engines.prompts import ChatSide
+
+    side = ChatSide(build_tokenizer(TINY_CHAT_TEMPLATE) if chat else TOK, chat=chat)
+    assert side.builtin
+    slow = _tokenizer_side(side)
+    assert side.ids(text) == slow.ids(text)
+    assert side.decode(ids) == slow.decode(ids)
+
+
+def test_only_the_builtin_tokenizer_takes_the_lookup(tmp_path):
+    """A tokenizer saved and loaded again is still the built-in one; one with another vocabulary or split
+    is not."""
+    from tokenizers import Regex, pre_tokenizers
+    from transformers import AutoTokenizer
+
+    from pivotrl.engines.checkpoints import is_builtin_tokenizer
+
+    TOK.save_pretrained(tmp_path / "t")
+    assert is_builtin_tokenizer(AutoTokenizer.from_pretrained(tmp_path / "t"))
+    other = build_tokenizer()
+    other.add_tokens(["sort"])
+    assert not is_builtin_tokenizer(other)
+    split = build_tokenizer()
+    split.backend_tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"\s"), behavior="isolated")
+    assert not is_builtin_tokenizer(split)
+    assert not is_builtin_tokenizer(object())

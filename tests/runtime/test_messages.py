@@ -77,3 +77,43 @@ def test_a_bad_message_is_refused_naming_the_field() -> None:
         ShiftDone.from_wire({**done, "timings": {**done["timings"], "total": 1.0}})
     with pytest.raises(ValueError, match="shift phase"):
         ShiftDone.from_wire({**done, "timings": {**done["timings"], "fetch": -1.0}})
+
+
+plain = st.one_of(st.integers(-9, 9), st.floats(allow_nan=False), st.text(max_size=3), st.booleans(), st.none())
+values = st.recursive(
+    plain | st.builds(StepSample, st.integers(0, 64), secs, st.integers(0, 999)),
+    lambda inner: st.lists(inner, max_size=4) | st.tuples(inner, inner)
+    | st.dictionaries(st.text(max_size=3), inner, max_size=3),
+    max_leaves=20,
+)
+
+
+def _encode_by_element(value):
+    """The element-by-element reference that `encode`'s one-pass check for plain lists must agree with."""
+    if type(value) in (int, float, str, bool, type(None)):
+        return value
+    if isinstance(value, StepSample):
+        return {k: _encode_by_element(v) for k, v in value.__dict__.items()}
+    if isinstance(value, (list, tuple)):
+        return [_encode_by_element(v) for v in value]
+    return {k: _encode_by_element(v) for k, v in value.items()}
+
+
+@settings(max_examples=300, deadline=None)
+@given(values)
+def test_encode_agrees_with_encoding_element_by_element(value) -> None:
+    from pivotrl.runtime.messages import encode
+
+    assert encode(value) == _encode_by_element(value)
+
+
+def test_scalar_lists_decode_to_their_type_and_refuse_others() -> None:
+    from pivotrl.runtime.messages import decode
+
+    assert decode(list[int], (1, 2)) == [1, 2]
+    floats = decode(list[float], [1, 0.5])
+    assert floats == [1.0, 0.5] and all(type(v) is float for v in floats)
+    for hint, bad in ((list[int], [1, True]), (list[int], [1, 2.0]), (list[str], ["a", 1]),
+                      (tuple[float, ...], (0.5, "x"))):
+        with pytest.raises(TypeError):
+            decode(hint, bad)
