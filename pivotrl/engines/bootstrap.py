@@ -393,17 +393,41 @@ def train_role(
 
 
 _progress_queue: Any = None  # a worker process's queue to the parent's progress board (`_init_worker`)
+_spare_core: Any = None  # set by the parent once this process is the only one left working (`_init_worker`)
 
 
-def _init_worker(queue: Any) -> None:
-    global _progress_queue
-    _progress_queue = queue
+def _init_worker(queue: Any, spare_core: Any = None) -> None:
+    global _progress_queue, _spare_core
+    _progress_queue, _spare_core = queue, spare_core
 
 
 def _train_role_entry(args: tuple[dict[str, Any], str, str]) -> dict[str, Any]:
     cfg_data, role, out = args
-    progress = reporter(_progress_queue.put, role) if _progress_queue is not None else None
-    return train_role(PipelineConfig.model_validate(cfg_data), role, out, threads=1, progress=progress)
+    report = reporter(_progress_queue.put, role) if _progress_queue is not None else None
+    return train_role(PipelineConfig.model_validate(cfg_data), role, out, threads=1,
+                      progress=take_spare_core(_spare_core, report))
+
+
+def take_spare_core(spare_core: Any, report: Progress | None, threads: int = 2) -> Progress | None:
+    """A progress callback that also moves this process's SFT to `threads` threads once `spare_core` is
+    set (the other model and the kernel compile are done, so a core is idle).
+
+    Why: the judge trains ~40 s longer than the policy. Its steps are ~1.2-1.4x faster on two threads,
+    and the weights are the same bit for bit (the thread count only splits independent rows)."""
+    if spare_core is None:
+        return report
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    want = max(1, min(threads, cores))
+    moved = [False]
+
+    def progress(done: int, total: int, loss: float) -> None:
+        if not moved[0] and spare_core.is_set():
+            moved[0] = True
+            torch.set_num_threads(want)
+        if report is not None:
+            report(done, total, loss)
+
+    return progress
 
 
 def ensure_bootstrap(
@@ -485,21 +509,25 @@ def _train_in_processes(
 
     ctx = mp.get_context("spawn")
     updates = ctx.Queue()
-    with ctx.Pool(len(jobs), initializer=_init_worker, initargs=(updates,)) as pool:
-        pending = pool.map_async(_train_role_entry, jobs, chunksize=1)
+    spare = ctx.Event()  # the last job left running may take the idle core (`take_spare_core`)
+    with ctx.Pool(len(jobs), initializer=_init_worker, initargs=(updates, spare)) as pool:
+        pending = [pool.apply_async(_train_role_entry, (job,)) for job in jobs]
         kernels = pool.apply_async(_build_kernels_entry) if build_kernels else None
         while True:
             try:
                 board.update(*updates.get(timeout=0.2))
             except queue_mod.Empty:
-                if pending.ready():
+                if all(p.ready() for p in pending):
                     break
+            left = sum(not p.ready() for p in pending) + (kernels is not None and not kernels.ready())
+            if left <= 1 and not spare.is_set():
+                spare.set()
         while True:  # what was sent just before the workers finished
             try:
                 board.update(*updates.get_nowait())
             except queue_mod.Empty:
                 break
-        return pending.get(), None if kernels is None else kernels.get()
+        return [p.get() for p in pending], None if kernels is None else kernels.get()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

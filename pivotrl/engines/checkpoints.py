@@ -17,7 +17,6 @@ tokenizer's, and `load_tokenizer` restores it.
 from __future__ import annotations
 
 import functools
-
 import json
 import os
 import shutil

@@ -78,7 +78,7 @@ def _scalar(kind: type, accepted: tuple[type, ...]) -> Callable[[Any], Any]:
 
 _SCALARS = {int: _scalar(int, (int,)), float: _scalar(float, (int, float)), str: _scalar(str, (str,)),
             bool: _scalar(bool, (bool,))}
-_EXACT = {int: frozenset({int}), float: frozenset({float}), str: frozenset({str})}  # a scalar list's own types
+_EXACT = {int: frozenset({int}), float: frozenset({float}), str: frozenset({str})}  # what a scalar list holds
 
 
 @functools.cache

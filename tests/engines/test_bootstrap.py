@@ -231,3 +231,48 @@ def test_a_run_builds_kernels_only_for_engines_that_use_them(monkeypatch):
     assert not _uses_native_kernels(both_vllm)
     one_vllm = load_config(None, PipelineConfig, ["rollout.engine.backend=vllm"])
     assert _uses_native_kernels(one_vllm)
+
+
+class _Flag:
+    """A stand-in for the pool's `Event`, set from a given step on."""
+
+    def __init__(self, at: int) -> None:
+        self.at, self.step = at, 0
+
+    def is_set(self) -> bool:
+        return self.step >= self.at
+
+
+def test_the_last_sft_left_takes_the_spare_core_with_the_same_weights(tmp_path):
+    """Once the other jobs are done (`spare_core` set) the SFT moves to two threads, once, and forwards every
+    report; its weights are the same bit for bit as on one thread throughout."""
+    from pivotrl.engines.checkpoints import build_tokenizer
+
+    tok = build_tokenizer()
+    task = get_task("sort", {"max_size": 10})
+    data = bs.encode_pairs(tok, bs.judge_pairs(task, task.sample(64, seed=1), JudgeTemplate(), seed=1)[0])
+    shape = load_config("configs/quickstart.yaml", PipelineConfig).reward.sft  # the judge's own shape
+    before = torch.get_num_threads()
+    try:
+        weights, threads, reports = [], [], []
+        for at in (10**9, 5):
+            torch.set_num_threads(1)
+            flag = _Flag(at)
+            inner = bs.take_spare_core(flag, lambda d, t, loss: reports.append(d))
+
+            def progress(done, total, loss, flag=flag, inner=inner):
+                flag.step = done
+                inner(done, total, loss)
+                threads.append(torch.get_num_threads())
+
+            model = bs.new_model(bs.build_config(shape), seed=0)
+            bs.sft(model, data, steps=12, batch_size=32, lr=3e-3, seed=0, pad_id=tok.pad_token_id,
+                   progress=progress)
+            weights.append(model.state_dict())
+        want = min(2, len(__import__("os").sched_getaffinity(0)))
+        assert threads[:12] == [1] * 12 and threads[12:] == [1] * 4 + [want] * 8
+        assert reports == list(range(1, 13)) * 2
+        assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+        assert bs.take_spare_core(None, print) is print
+    finally:
+        torch.set_num_threads(before)

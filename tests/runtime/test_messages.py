@@ -79,7 +79,8 @@ def test_a_bad_message_is_refused_naming_the_field() -> None:
         ShiftDone.from_wire({**done, "timings": {**done["timings"], "fetch": -1.0}})
 
 
-plain = st.one_of(st.integers(-9, 9), st.floats(allow_nan=False), st.text(max_size=3), st.booleans(), st.none())
+plain = st.one_of(st.integers(-9, 9), st.floats(allow_nan=False), st.text(max_size=3), st.booleans(),
+                  st.none())
 values = st.recursive(
     plain | st.builds(StepSample, st.integers(0, 64), secs, st.integers(0, 999)),
     lambda inner: st.lists(inner, max_size=4) | st.tuples(inner, inner)
