@@ -58,7 +58,7 @@ class PivotSchedulerPlugin(SchedulerPlugin):
         self._exporter: Any = None
         self.reports: list[IterationReport] = []  # the driver's, one per iteration: the page's learning curve
         self._output: asyncio.Event | None = None  # set when results or sums wait for the driver
-        self._held_syncs: set[asyncio.Event] = set()  # one per idle host's sync held for a command
+        self._held_syncs: dict[str, asyncio.Event] = {}  # worker → its idle sync, held for a command
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -74,7 +74,7 @@ class PivotSchedulerPlugin(SchedulerPlugin):
         self._task = None
         self._exporter = None
         self._output = None
-        self._held_syncs = set()
+        self._held_syncs = {}
 
     # -- lifecycle ------------------------------------------------------------------------------------
     async def start(self, scheduler: Any) -> None:
@@ -119,7 +119,7 @@ class PivotSchedulerPlugin(SchedulerPlugin):
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._task
-        self._wake_held()  # held syncs see the plugin closed and answer now
+        self._wake_held(everyone=True)  # held syncs see the plugin closed and answer now
 
     async def _ticker(self) -> None:
         while True:
@@ -198,23 +198,28 @@ class PivotSchedulerPlugin(SchedulerPlugin):
     async def _held(self, worker: str, hold: float) -> bool:
         """Wait until `worker` has a command (True) or `hold` seconds pass (False)."""
         deadline = time.monotonic() + hold
-        while not self.orch.has_commands(worker):
-            left = deadline - time.monotonic()
-            if left <= 0 or self._task is None or self._task.done():
-                return False
-            wake = asyncio.Event()
-            self._held_syncs.add(wake)
-            try:
+        wake = asyncio.Event()
+        self._held_syncs[worker] = wake  # a host has one sync in flight: a newer one replaces it
+        try:
+            while not self.orch.has_commands(worker):
+                left = deadline - time.monotonic()
+                if left <= 0 or self._task is None or self._task.done():
+                    return False
+                wake.clear()
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(wake.wait(), left)
-            finally:
-                self._held_syncs.discard(wake)
-        return True
+            return True
+        finally:
+            if self._held_syncs.get(worker) is wake:
+                del self._held_syncs[worker]
 
-    def _wake_held(self) -> None:
-        """Something changed that may give a held host a command: let each check again."""
-        for wake in self._held_syncs:
-            wake.set()
+    def _wake_held(self, everyone: bool = False) -> None:
+        """Something changed: answer each held sync whose host now has a command (`everyone`: all of
+        them, to see the plugin closed). Only those: with many idle hosts, waking all at every event
+        would cost a task switch per host per sync."""
+        for worker, wake in self._held_syncs.items():
+            if everyone or self.orch.has_commands(worker):
+                wake.set()
 
     # -- handlers: driver side ------------------------------------------------------------------------
     def handle_submit(self, items: list[dict[str, Any]]) -> int:
