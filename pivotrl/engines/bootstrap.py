@@ -416,8 +416,7 @@ def take_spare_core(spare_core: Any, report: Progress | None, threads: int = 2) 
     and the weights are the same bit for bit (the thread count only splits independent rows)."""
     if spare_core is None:
         return report
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    want = max(1, min(threads, cores))
+    want = max(1, min(threads, _usable_cores()))
     moved = [False]
 
     def progress(done: int, total: int, loss: float) -> None:
@@ -485,11 +484,18 @@ def ensure_bootstrap(
     return BootstrapResult(dirs["policy"], dirs["genrm"], time.perf_counter() - t0, todo, stats)
 
 
+def _usable_cores() -> int:
+    """The cores this process may run on (its affinity where the OS says), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
 def _build_kernels_entry() -> str:
     """Compile the native kernels in this process: the path they run on (`kernels.isa`, ``torch`` when
     they are off or cannot be built), or the error that stopped them."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
-    os.environ["MAX_JOBS"] = str(max(1, cores - 1))  # files compiled at once: all cores but the trainer's
+    os.environ["MAX_JOBS"] = str(max(1, _usable_cores() - 1))  # files compiled at once: all but the trainer's
     from pivotrl.engines import kernels
 
     try:

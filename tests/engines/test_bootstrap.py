@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -269,7 +270,7 @@ def test_the_last_sft_left_takes_the_spare_core_with_the_same_weights(tmp_path):
             bs.sft(model, data, steps=12, batch_size=32, lr=3e-3, seed=0, pad_id=tok.pad_token_id,
                    progress=progress)
             weights.append(model.state_dict())
-        want = min(2, len(__import__("os").sched_getaffinity(0)))
+        want = min(2, len(os.sched_getaffinity(0)))  # the cores this test process may use
         assert threads[:12] == [1] * 12 and threads[12:] == [1] * 4 + [want] * 8
         assert reports == list(range(1, 13)) * 2
         assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
