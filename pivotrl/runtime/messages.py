@@ -366,6 +366,7 @@ class SyncReply(Wire):
     flush: bool = False
     unknown: bool = False
     seq: int = 0  # the reply's number (one sequence for all workers), acknowledged by `SyncReport.acked`
+    held_s: float = 0.0  # how long the scheduler held it for an idle host: waiting for work, not blocked
 
     def empty(self) -> bool:
         """Nothing for the host to do: no items, aborts, shift, flush, and not a stand-by."""

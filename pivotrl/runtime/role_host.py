@@ -192,8 +192,10 @@ class RoleHost:
 
     def _wait(self, fut: Future[SyncReply], out: SyncReport) -> SyncReply:
         t0 = time.perf_counter()
+        held = 0.0  # the part of the wait the scheduler held the reply for want of work: idle, not blocked
         try:
             reply = fut.result(timeout=self.sync_timeout_s)
+            held = reply.held_s
             if reply.seq:
                 self._acked = self._out.acked = reply.seq  # the report filled now goes out next
             return reply
@@ -201,7 +203,7 @@ class RoleHost:
             out.merge_back(self._out)  # keep what we had so nothing is lost; it goes with the next sync
             raise
         finally:
-            self._sync_s += time.perf_counter() - t0
+            self._sync_s += max(0.0, time.perf_counter() - t0 - held)
 
     def sync_now(self) -> SyncReply:
         """One blocking round trip (where nothing can overlap it)."""

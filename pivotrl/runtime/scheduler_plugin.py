@@ -189,10 +189,13 @@ class PivotSchedulerPlugin(SchedulerPlugin):
             self._output.set()
         self._wake_held()  # the report may have freed or queued work for a held host
         hold = min(float(rep.hold_s), MAX_SYNC_HOLD_S)
-        if hold > 0 and reply.empty() and await self._held(rep.worker, hold):
-            again = SyncReport(worker=rep.worker, session=rep.session, free=rep.free, sync_s=rep.sync_s,
-                               acked=rep.acked)
-            reply, _ = self.orch.sync(again, self.now())  # the empty reply was never sent: no ack lost
+        if hold > 0 and reply.empty():
+            t0 = time.monotonic()
+            if await self._held(rep.worker, hold):
+                again = SyncReport(worker=rep.worker, session=rep.session, free=rep.free, sync_s=rep.sync_s,
+                                   acked=rep.acked)
+                reply, _ = self.orch.sync(again, self.now())  # the empty reply was never sent: no ack lost
+            reply.held_s = time.monotonic() - t0
         return reply.to_wire()
 
     async def _held(self, worker: str, hold: float) -> bool:

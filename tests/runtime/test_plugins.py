@@ -150,6 +150,7 @@ async def test_a_held_sync_ends_at_its_hold_the_cap_or_a_command(c, s, a):
     reply = SyncReply.from_wire(await c.scheduler.pivotrl_sync(
         report=SyncReport(a.address, "h", free=8, hold_s=0.3).to_wire()))
     assert reply.empty() and 0.29 <= loop.time() - t0 < 0.29 + MAX_SYNC_HOLD_S
+    assert 0.29 <= reply.held_s <= loop.time() - t0  # the host counts this part as idle, not blocked
     t0 = loop.time()
     reply = SyncReply.from_wire(await c.scheduler.pivotrl_sync(
         report=SyncReport(a.address, "h", free=8, hold_s=1e6).to_wire()))

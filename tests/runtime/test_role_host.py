@@ -529,3 +529,17 @@ def test_an_idle_host_asks_for_a_hold_and_does_not_poll_after_one() -> None:
     plain = _host(_replying(0.0, [], sent), idle)  # the default polls and asks for nothing
     plain.run_once()
     assert sent[-1].hold_s == 0.0
+
+
+def test_time_a_reply_was_held_for_work_is_not_counted_as_blocked() -> None:
+    """`sync_s` is the time blocked on the control plane: a round trip less what the scheduler says it
+    held the reply for want of work (`SyncReply.held_s`)."""
+    from pivotrl.runtime.messages import SyncReply
+
+    sent: list = []
+    host = _host(_replying(0.2, [SyncReply(held_s=0.18)], sent), _Held(left=0), idle_hold_s=0.25)
+    host.run_once()
+    assert 0.01 <= host._sync_s < 0.1  # 0.2 s round trip, 0.18 s of it held
+    host = _host(_replying(0.2, [SyncReply()], sent), _Held(left=0), idle_hold_s=0.25)
+    host.run_once()
+    assert host._sync_s >= 0.19  # nothing held: all of it blocked
