@@ -429,12 +429,14 @@ def run_pipeline(
                     result.curve.append({"iteration": it + 1, "elapsed_s": elapsed, "accuracy": acc})
                     return acc
 
+                saved_rows = checkpoint.EncodedRows(persisted(r) for r in result.iterations)
+
                 def commit(res: Any, row: dict[str, Any]) -> None:
                     """Checkpoint after every iteration, then the caller's hook."""
                     result.iterations.append(row)
+                    saved_rows.append(persisted(row))
                     ckpt = checkpoint.RunCheckpoint(
-                        run_id, res.iteration + 1, owner.version, cfg_json,
-                        [persisted(r) for r in result.iterations], result.curve,
+                        run_id, res.iteration + 1, owner.version, cfg_json, saved_rows, result.curve,
                         result.eval, learned=session.learned(),
                     )
                     checkpoint.commit(run_dir, ckpt, owner, gps, pinned[0])

@@ -116,3 +116,39 @@ def test_a_live_lease_is_refused_and_a_dead_ones_directory_reclaimed(tmp_path):
         holder.kill()
         holder.wait()
     assert lease.reclaim_dead(tmp_path, "tier-") == [live]  # its holder died: now it is reclaimed
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-10**6, 10**6) | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=5),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+    max_leaves=10)
+rows_strategy = st.lists(st.dictionaries(st.text(max_size=6), json_values, max_size=5), max_size=6)
+
+
+@settings(max_examples=150, deadline=None)
+@given(rows_strategy, st.integers(0, 6))
+def test_rows_encoded_once_write_the_same_checkpoint(rows, resumed) -> None:
+    """A run keeps its rows' JSON (`EncodedRows`, some from a resumed checkpoint, the rest appended one
+    by one); the checkpoint it writes reads back as the one with plain rows."""
+    import json
+
+    encoded = checkpoint.EncodedRows(rows[:resumed])
+    for row in rows[resumed:]:
+        encoded.append(row)
+    assert list(encoded) == rows and len(encoded) == len(rows)
+    cfg = {"run": {"seed": 1}}
+    fast = checkpoint.RunCheckpoint("r", len(rows), 3, cfg, encoded, [{"iteration": 1, "accuracy": 0.5}],
+                                    {"accuracy_before": 1.0}, learned={"format": 1})
+    slow = checkpoint.RunCheckpoint("r", len(rows), 3, cfg, rows, fast.curve, fast.eval, learned=fast.learned)
+    assert json.loads(checkpoint.state_json(fast)) == json.loads(checkpoint.state_json(slow))
+    assert checkpoint.RunCheckpoint(**json.loads(checkpoint.state_json(fast))) == slow
+
+
+def test_a_checkpoint_with_encoded_rows_loads_as_plain_rows(tmp_path) -> None:
+    rows = checkpoint.EncodedRows([{"iteration": 0, "seconds": 1.5}])
+    rows.append({"iteration": 1, "seconds": 2.5, "device_time": {"0": {"train": 0.5}}})
+    ckpt = checkpoint.RunCheckpoint("r", 2, 2, PipelineConfig().model_dump(mode="json"), rows)
+    checkpoint.save(tmp_path, ckpt, {"w": torch.zeros(1)})
+    back, _ = checkpoint.load(checkpoint.latest(tmp_path))
+    assert back.rows == list(rows) and type(back.rows) is list
