@@ -16,6 +16,7 @@ ignored, so no result is counted twice.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -30,6 +31,8 @@ from pivotrl.runtime.messages import (
     WorkRequest,
 )
 
+_ROLES = {str(r): r for r in Role}  # a role's name → the enum, without the enum's call per item
+
 
 def sequence_of(req: WorkRequest, generated: int = 0) -> Sequence:
     """The core view of a work item. A train item's work is its token count, "generated" like tokens, and
@@ -38,7 +41,7 @@ def sequence_of(req: WorkRequest, generated: int = 0) -> Sequence:
         return Sequence(req.id, Role.TRAIN, prompt_tokens=0, max_new_tokens=max(1, req.est_tokens),
                         expected_new_tokens=float(max(1, req.est_tokens)),
                         iteration=req.iteration, group_id=req.group_id)
-    return Sequence(req.id, Role(req.role), prompt_tokens=req.prompt_tokens,
+    return Sequence(req.id, _ROLES.get(req.role) or Role(req.role), prompt_tokens=req.prompt_tokens,
                     max_new_tokens=max(1, req.max_new_tokens), generated=generated,
                     expected_new_tokens=float(req.est_tokens) if req.est_tokens else None,
                     iteration=req.iteration, group_id=req.group_id)
@@ -78,6 +81,11 @@ class ItemLedger:
         self.aborts: dict[str, list[str]] = {}  # worker → ids whose abort it must run
         self.results: list[ItemResult] = []
         self.grads: list[GradResult] = []
+        # items per (role, state, iteration), kept by `_set`: the scheduler asks whether a role drained
+        # after every sync that finishes an item, whether an iteration's train items are all in sums after
+        # every train item, and for counts per state in every snapshot; each is a look at these few keys,
+        # not a pass over every item
+        self._count: Counter[tuple[str, ItemState, int]] = Counter()
 
     # -- new work -------------------------------------------------------------------------------------
     def add(self, request: WorkRequest) -> Item:
@@ -85,7 +93,27 @@ class ItemLedger:
             raise ValueError(f"duplicate item id {request.id!r}")
         item = Item(request, generated=list(request.generated), logprobs=list(request.logprobs))
         self.items[request.id] = item
+        self._count[item.role, item.state, item.iteration] += 1
         return item
+
+    def _set(self, item: Item, state: ItemState) -> None:
+        """Every state change goes through here, so the counts stay exact."""
+        self._uncount(item)
+        self._count[item.role, state, item.iteration] += 1
+        item.state = state
+
+    def _done(self, item: Item) -> None:
+        self._uncount(item)
+        item.state = ItemState.DONE
+        del self.items[item.id]
+
+    def _uncount(self, item: Item) -> None:
+        key = (item.role, item.state, item.iteration)
+        n = self._count[key] - 1
+        if n:
+            self._count[key] = n
+        else:  # no empty keys: the counts stay as few as the states of the iterations in flight
+            del self._count[key]
 
     # -- placement ------------------------------------------------------------------------------------
     def assign(self, item_id: str, worker: str) -> bool:
@@ -103,10 +131,12 @@ class ItemLedger:
             if item.worker == worker:
                 return True
             self.outbox[item.worker or ""].remove(item_id)
-            item.state, item.worker = ItemState.WAITING, None
+            self._set(item, ItemState.WAITING)
+            item.worker = None
         if item.state is not ItemState.WAITING:
             return False
-        item.state, item.worker = ItemState.ASSIGNED, worker
+        self._set(item, ItemState.ASSIGNED)
+        item.worker = worker
         self.outbox.setdefault(worker, []).append(item_id)
         return True
 
@@ -117,7 +147,7 @@ class ItemLedger:
             item = self.items.get(item_id)
             if item is None or item.state is not ItemState.ASSIGNED or item.worker != worker:
                 continue
-            item.state = ItemState.RUNNING
+            self._set(item, ItemState.RUNNING)
             out.append(WorkItem(item.id, item.role, item.request.payload, item.iteration,
                                 list(item.generated), list(item.logprobs), item.attempts))
         return out
@@ -128,7 +158,7 @@ class ItemLedger:
         back = [i for i in ids if (it := self.items.get(i)) is not None and it.worker == worker
                 and it.state is ItemState.RUNNING]
         for item_id in back:
-            self.items[item_id].state = ItemState.ASSIGNED
+            self._set(self.items[item_id], ItemState.ASSIGNED)
         if back:
             self.outbox[worker] = [*back, *self.outbox.get(worker, [])]
         return back
@@ -205,12 +235,11 @@ class ItemLedger:
                 box.remove(item.id)
         item.next_worker = None
         if item.role == "train":
-            item.state = ItemState.ACCUMULATED
+            self._set(item, ItemState.ACCUMULATED)
             return item
-        item.state = ItemState.DONE
         result.role, result.iteration, result.worker = item.role, item.iteration, worker
         self.results.append(result)
-        del self.items[item.id]
+        self._done(item)
         return item
 
     def flushed(self, worker: str, grad: GradResult) -> list[str]:
@@ -220,8 +249,7 @@ class ItemLedger:
                if (it := self.items.get(i)) is not None and it.worker == worker
                and it.state is ItemState.ACCUMULATED]
         for item_id in ids:
-            self.items[item_id].state = ItemState.DONE
-            del self.items[item_id]
+            self._done(self.items[item_id])
         if ids:
             grad.items, grad.worker = ids, worker
             self.grads.append(grad)
@@ -256,7 +284,8 @@ class ItemLedger:
         return back
 
     def _requeue(self, item: Item, follow: bool = True) -> None:
-        item.state, item.worker = ItemState.WAITING, None
+        self._set(item, ItemState.WAITING)
+        item.worker = None
         item.attempts += 1
         if follow:
             self._follow(item)
@@ -270,26 +299,21 @@ class ItemLedger:
     def flush_holders(self, upto: int) -> set[str]:
         """Workers whose gradient sums hold train items of iterations ≤ `upto`, once no such item is still
         waiting or running anywhere (empty before that)."""
-        holders = set()
-        for item in self.items.values():
-            if item.role != "train" or item.iteration > upto:
-                continue
-            if item.state in LIVE:
-                return set()
-            if item.state is ItemState.ACCUMULATED and item.worker is not None:
-                holders.add(item.worker)
-        return holders
+        if any(role == "train" and state in LIVE and it <= upto for role, state, it in self._count):
+            return set()
+        return {item.worker for item in self.items.values() if item.role == "train" and item.iteration <= upto
+                and item.state is ItemState.ACCUMULATED and item.worker is not None}
 
     def drained(self, roles: Iterable[str]) -> bool:
         """Has one of `roles` no item left waiting, assigned or running?"""
-        busy = {i.role for i in self.items.values() if i.state in LIVE}
-        return bool(set(roles) - busy)
+        live = {role for role, state, _ in self._count if state in LIVE}
+        return bool(set(roles) - live)
 
     def counts(self) -> dict[str, dict[str, int]]:
         out: dict[str, dict[str, int]] = {}
-        for item in self.items.values():
-            c = out.setdefault(item.role, {})
-            c[str(item.state)] = c.get(str(item.state), 0) + 1
+        for (role, state, _), n in self._count.items():
+            c = out.setdefault(role, {})
+            c[str(state)] = c.get(str(state), 0) + n
         return out
 
     def has_output(self) -> bool:
@@ -308,6 +332,8 @@ class ItemLedger:
         for w, i in boxed:
             item = self.items[i]
             assert item.state is ItemState.ASSIGNED and item.worker == w, (i, item.state, item.worker, w)
+        recount = Counter((item.role, item.state, item.iteration) for item in self.items.values())
+        assert self._count == recount, (dict(self._count), dict(recount))
         for item in self.items.values():
             if item.state is ItemState.ASSIGNED:
                 assert (item.worker, item.id) in boxed, item.id

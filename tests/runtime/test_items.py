@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pivotrl.runtime.items import ItemLedger
+from pivotrl.runtime.items import LIVE, ItemLedger
 from pivotrl.runtime.messages import (
     GradResult,
     GradStats,
@@ -133,7 +133,7 @@ def test_random_interleavings_keep_every_item_exactly_once(ops, n_items) -> None
     led = ItemLedger()
     ids = [f"i{k}" for k in range(n_items)]
     for k, i in enumerate(ids):
-        led.add(req(i, "train" if k % 2 else "rollout"))
+        led.add(req(i, "train" if k % 2 else "rollout", it=k % 3))
     held: dict[str, set[str]] = {}  # what each worker really runs (delivered, not handed back)
     sums: dict[str, list[str]] = {}  # a worker's unflushed gradient sum
     done: list[str] = []
@@ -170,7 +170,15 @@ def test_random_interleavings_keep_every_item_exactly_once(ops, n_items) -> None
             led.undeliver(worker)
         elif op == "progress" and item_id in held.get(worker, set()):
             led.progress(worker, Progress(item_id, 0, [3], [-1.0]))
-        led.check()
+        led.check()  # includes: the per-role counts equal a recount of the items
+        for role in ("train", "rollout"):
+            live = any(it.role == role and it.state in LIVE for it in led.items.values())
+            assert led.drained([role]) is not live
+        for upto in range(3):  # against a pass over every item, as the ledger once computed it
+            train = [it for it in led.items.values() if it.role == "train" and it.iteration <= upto]
+            want = set() if any(it.state in LIVE for it in train) else {
+                it.worker for it in train if it.state is ItemState.ACCUMULATED}
+            assert led.flush_holders(upto) == want
 
     for op, k, w in ops:
         run(op, k, w)
