@@ -118,3 +118,30 @@ def test_scalar_lists_decode_to_their_type_and_refuse_others() -> None:
                       (tuple[float, ...], (0.5, "x"))):
         with pytest.raises(TypeError):
             decode(hint, bad)
+
+
+payload_values = st.recursive(
+    plain,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=3), inner, max_size=3),
+    max_leaves=12,
+)
+payloads = st.dictionaries(st.text(max_size=4), payload_values, max_size=4)
+
+
+@settings(max_examples=200, deadline=None)
+@given(payloads, toks, lps)
+def test_a_payload_off_the_wire_goes_on_as_it_came(payload, generated, logprobs) -> None:
+    """The scheduler decodes a request and hands its payload on in a `WorkItem`: the payload is not encoded
+    again, and what the worker gets is what the driver sent."""
+    from pivotrl.runtime.messages import WireMapping, encode
+
+    wire = msgpack.unpackb(msgpack.packb(WorkRequest("a", "rollout", payload).to_wire()), use_list=False)
+    req = WorkRequest.from_wire(wire)
+    assert type(req.payload) is WireMapping and req.payload == wire["payload"]
+    item = WorkItem(req.id, req.role, req.payload, 0, generated, logprobs)
+    sent = item.to_wire()
+    assert sent["payload"] is req.payload  # passed on, not rebuilt
+    got = WorkItem.from_wire(msgpack.unpackb(msgpack.packb(sent), use_list=False))
+    assert encode(dict(got.payload)) == encode(payload)
+    assert got == WorkItem.from_wire(msgpack.unpackb(msgpack.packb(
+        WorkItem("a", "rollout", payload, 0, generated, logprobs).to_wire()), use_list=False))
