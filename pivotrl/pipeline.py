@@ -33,6 +33,7 @@ A user adds a stage by subclassing `Stage` and inserting it in the list, e.g.::
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -78,7 +79,20 @@ class StageContext:
     counters: dict[str, float] = field(default_factory=dict)
     renderer: Any = None
 
+    @functools.cached_property
+    def builtin(self) -> bool:
+        """The tokenizer is the built-in character tokenizer's: text and ids are a lookup per character
+        (`checkpoints.char_ids`/`char_text`), not a tokenizer call. Why: the driver decodes every response
+        and the CPU of its tokenizer calls is taken from the devices on a small machine."""
+        from pivotrl.engines.checkpoints import is_builtin_tokenizer
+
+        return is_builtin_tokenizer(self.tokenizer)
+
     def encode(self, text: str) -> list[int]:
+        if self.builtin:
+            from pivotrl.engines.checkpoints import char_ids
+
+            return char_ids([text], self.tokenizer, bos=True)[0]
         return list(self.tokenizer(text)["input_ids"])
 
     def prompt_ids(self, problem: Problem) -> list[int]:
@@ -86,6 +100,10 @@ class StageContext:
         return self.renderer.rollout_ids(problem) if self.renderer else self.encode(problem.prompt)
 
     def decode(self, ids: list[int]) -> str:
+        if self.builtin:
+            from pivotrl.engines.checkpoints import char_text
+
+            return char_text(ids)
         eos = self.tokenizer.eos_token_id
         return self.tokenizer.decode([i for i in ids if i != eos], skip_special_tokens=True)
 

@@ -202,3 +202,51 @@ def test_with_one_slice_train_streams_while_rollout_and_judging_go_on(setup):
     assert len(sess.judged_later) == 6  # trainable samples
     assert sess.judged_later[0] == 8  # the first group went to train with two groups' verdicts to come
     assert sess.flushes == 1
+
+
+_TOK = build_tokenizer()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_stage_context_encodes_and_decodes_as_the_builtin_tokenizer(seed):
+    """With the built-in tokenizer the driver encodes and decodes by lookup; the ids and text are the
+    tokenizer's own, for random text (unknown characters and special-token spellings included) and random
+    ids (special tokens and ids past the vocabulary included)."""
+    import random
+
+    from pivotrl.pipeline import StageContext
+
+    ctx = StageContext(tokenizer=_TOK, task=None, cfg=None)
+    assert ctx.builtin
+    rng = random.Random(seed)
+    alphabet = "0123456789 sort=abc\n<>/éλ" + "".join(chr(c) for c in range(32, 127))
+    for _ in range(300):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 30)))
+        if rng.random() < 0.1:
+            text += rng.choice(["<eos>", "<pad>", "<bos>", "<unk>"])
+        assert ctx.encode(text) == list(_TOK(text)["input_ids"]), text
+        ids = [rng.randrange(0, len(_TOK) + 5) for _ in range(rng.randrange(0, 30))]
+        eos = _TOK.eos_token_id
+        want = _TOK.decode([i for i in ids if i != eos and i < len(_TOK)], skip_special_tokens=True)
+        assert ctx.decode([i for i in ids if i < len(_TOK)]) == want, ids
+
+
+def test_a_stage_context_with_another_tokenizer_calls_it():
+    calls = []
+
+    class Other:
+        eos_token_id = 0
+
+        def __call__(self, text):
+            calls.append(text)
+            return {"input_ids": [1, 2]}
+
+        def decode(self, ids, skip_special_tokens=True):
+            calls.append(tuple(ids))
+            return "x"
+
+    from pivotrl.pipeline import StageContext
+
+    ctx = StageContext(tokenizer=Other(), task=None, cfg=None)
+    assert not ctx.builtin and ctx.encode("ab") == [1, 2] and ctx.decode([0, 5]) == "x"
+    assert calls == ["ab", (5,)]
