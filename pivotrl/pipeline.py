@@ -80,32 +80,28 @@ class StageContext:
     renderer: Any = None
 
     @functools.cached_property
-    def builtin(self) -> bool:
-        """The tokenizer is the built-in character tokenizer's: text and ids are a lookup per character
-        (`checkpoints.char_ids`/`char_text`), not a tokenizer call. Why: the driver decodes every response
-        and the CPU of its tokenizer calls is taken from the devices on a small machine."""
-        from pivotrl.engines.checkpoints import is_builtin_tokenizer
+    def _side(self) -> Any:
+        """The tokenizer as a prompt side without a chat template (`prompts.ChatSide`): it encodes and
+        decodes by lookup where the tokenizer is the built-in one. Why: the driver decodes every response,
+        and the CPU of a tokenizer call per response is taken from the devices on a small machine."""
+        from pivotrl.engines.prompts import ChatSide
 
-        return is_builtin_tokenizer(self.tokenizer)
+        return ChatSide(self.tokenizer)
+
+    @property
+    def builtin(self) -> bool:
+        """The tokenizer is the built-in character tokenizer's (`checkpoints.is_builtin_tokenizer`)."""
+        return self._side.builtin
 
     def encode(self, text: str) -> list[int]:
-        if self.builtin:
-            from pivotrl.engines.checkpoints import char_ids
-
-            return char_ids([text], self.tokenizer, bos=True)[0]
-        return list(self.tokenizer(text)["input_ids"])
+        return self._side.ids(text)
 
     def prompt_ids(self, problem: Problem) -> list[int]:
         """The rollout prompt of `problem` as the policy engine sees it."""
         return self.renderer.rollout_ids(problem) if self.renderer else self.encode(problem.prompt)
 
     def decode(self, ids: list[int]) -> str:
-        if self.builtin:
-            from pivotrl.engines.checkpoints import char_text
-
-            return char_text(ids)
-        eos = self.tokenizer.eos_token_id
-        return self.tokenizer.decode([i for i in ids if i != eos], skip_special_tokens=True)
+        return self._side.decode(ids)
 
 
 class Stage:
