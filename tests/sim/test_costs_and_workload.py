@@ -6,10 +6,12 @@ import math
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pivotrl.sim.config import LengthDist, WorkloadConfig
 from pivotrl.sim.costs import decode_steps, decode_time
-from pivotrl.sim.workload import draw_lengths, iteration_sequences
+from pivotrl.sim.workload import draw_lengths, iteration_sequences, length_profile
 
 
 @pytest.mark.parametrize("alpha,beta,s0,x", [(0.01, 0.0, 0.0, 100.0), (0.007, 3e-6, 50.0, 1234.5),
@@ -48,3 +50,20 @@ def test_iteration_sequences_are_deterministic_and_grouped() -> None:
     c = iteration_sequences(wl, 2, seed=3)
     assert [s.response_len for s in a] != [s.response_len for s in c]
     assert not math.isnan(sum(s.critique_len for s in a))
+
+
+@settings(max_examples=12, deadline=None)
+@given(median=st.floats(20.0, 2000.0), sigma=st.floats(0.05, 1.2), n=st.integers(2, 4000),
+       seed=st.integers(0, 10_000))
+def test_the_priors_longest_item_is_the_expected_longest(
+    median: float, sigma: float, n: int, seed: int
+) -> None:
+    """`length_profile`'s longest is the mean of the longest of n drawn items, never a low quantile of it
+    (the 1 - 1/(n + 1) quantile is the longest's ~37th percentile: 10-20 % low on a lognormal tail)."""
+    dist = LengthDist(dist="lognormal", median=median, sigma=sigma, min=1, max=1 << 20)
+    _, longest = length_profile(dist, n, (0.5,))
+    rng = np.random.default_rng(seed)
+    trials = 400
+    maxima = draw_lengths(dist, trials * n, rng).reshape(trials, n).max(axis=1).astype(float)
+    se = maxima.std() / math.sqrt(trials)
+    assert abs(longest - maxima.mean()) <= 5 * se + 0.01 * maxima.mean() + 1.0
