@@ -38,6 +38,7 @@ from pivotrl.engines.genrm import JudgeTemplate
 from pivotrl.engines.kernels import ISAS
 from pivotrl.engines.sft_progress import Board, reporter
 from pivotrl.errors import UserError
+from pivotrl.machine import usable_cores
 from pivotrl.tasks import Problem, Task, get_task, normalize
 
 # ----------------------------------------------------------------------------------------------------
@@ -416,7 +417,7 @@ def take_spare_core(spare_core: Any, report: Progress | None, threads: int = 2) 
     and the weights are the same bit for bit (the thread count only splits independent rows)."""
     if spare_core is None:
         return report
-    want = max(1, min(threads, _usable_cores()))
+    want = max(1, min(threads, usable_cores()))
     moved = [False]
 
     def progress(done: int, total: int, loss: float) -> None:
@@ -484,18 +485,10 @@ def ensure_bootstrap(
     return BootstrapResult(dirs["policy"], dirs["genrm"], time.perf_counter() - t0, todo, stats)
 
 
-def _usable_cores() -> int:
-    """The cores this process may run on (its affinity where the OS says), at least 1."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):
-        return max(1, os.cpu_count() or 1)
-
-
 def _build_kernels_entry() -> str:
     """Compile the native kernels in this process: the path they run on (`kernels.isa`, ``torch`` when
     they are off or cannot be built), or the error that stopped them."""
-    os.environ["MAX_JOBS"] = str(max(1, _usable_cores() - 1))  # files compiled at once: all but the trainer's
+    os.environ["MAX_JOBS"] = str(max(1, usable_cores() - 1))  # files compiled at once: all but the trainer's
     from pivotrl.engines import kernels
 
     try:

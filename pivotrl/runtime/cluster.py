@@ -24,16 +24,14 @@ from typing import Any
 
 from pivotrl.core.devices import DeviceMismatch, WorkerDevice, choose_device
 from pivotrl.errors import UserError
+from pivotrl.machine import usable_cores
 
 NON_DAEMONIC = {"distributed.worker.daemon": False}
 
 
 def default_workers() -> int:
-    """One device worker per usable core."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):
-        return max(1, os.cpu_count() or 1)
+    """One device worker per usable core (`machine.usable_cores`)."""
+    return usable_cores()
 
 
 def driver_threads(cores: int, local_workers: int, worker_threads: int) -> int:
