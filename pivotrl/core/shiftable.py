@@ -63,9 +63,10 @@ class Shiftable(Policy):
         return self.mode, self.choice.predicted_s[self.mode] / max(self.choice.scale, 1e-12)
 
     def _open(self, state: ClusterState, choice: IterationChoice) -> dict[Role, int]:
-        """The opening split, remembering what it lends the first stage so that it is given back."""
+        """The split an iteration opens on (`next_opening`), remembering what it lends the first stage so
+        that it is given back (nothing where the first stage is short: it opens on the split itself)."""
         assert choice.static_split is not None
-        split = opening_split(state, choice)
+        split = next_opening(state, choice)
         self.loans = {r: choice.static_split[r] - split[r] for r in PIPELINE[1:]
                       if choice.static_split.get(r, 0) > split.get(r, 0)}
         return split
@@ -114,8 +115,7 @@ class Shiftable(Policy):
             # faster than the planner did last time (docs/decisions.md, "a judge stage that lags ...").
             if self._await_settled(state):
                 return None
-            target = choice.static_split if short else self._open(state, choice)
-            moved = toward_split(state, target)
+            moved = toward_split(state, self._open(state, choice))
             if moved is not None:
                 return ShiftPlan(moved.dissolve, moved.form,
                                  "iteration:start-static" if short else "iteration:start-opening")
@@ -129,9 +129,8 @@ class Shiftable(Policy):
             # start on that split too, except the share of a downstream role whose first item comes later
             # than it could be moved back (`opening_split`), and the planner shifts from there
             # (docs/decisions.md#third-pass-the-models-misses-on-the-losing-draws-and-where-a-device-starts).
-            if short:
-                return self._fill_split(state, choice.static_split, "initial:static")
-            return self._fill_split(state, self._open(state, choice), "initial:opening")
+            stimulus = "initial:static" if short else "initial:opening"
+            return self._fill_split(state, self._open(state, choice), stimulus)
         if self.loans:
             back = return_loans(state, self.loans, now, self.choice.static_split if self.choice else None)
             if back is not None:
