@@ -13,7 +13,9 @@ per device (trained tokens over train busy seconds) with one train replica (the 
 loss with two at once (colocated: the data-parallel efficiency of a doubling), the measured shift time into
 each role plus the shifting device time per shift beyond those phases (`shift_overhead`), the driver's
 barrier (optimizer step + publish), the control plane's part of it (from the last train item to the next
-iteration's first request, less that step) and each rollout device's weight sync per iteration. The
+iteration's first request, less that step), each rollout device's weight sync per iteration, and the cores'
+worth of CPU the driver and scheduler take beside the devices (`control_cores`: the devices are the host's
+cores, so busy devices slow when the idle ones cannot hold it). The
 simulator then runs each configuration with that profile. Both sides are measured the same way: the mean
 over measured iterations of the time from one iteration's completion to the next's (a window: with
 staleness, short and long iterations alternate), and tokens/s per device is the real run's mean tokens
@@ -44,6 +46,7 @@ from benchmarks.paradigms import (
     workload,
 )
 from pivotrl.runtime.metrics import shift_phase
+from pivotrl.sim.costs import shared_core_slowdown
 
 ROLES = ("rollout", "reward", "train")
 
@@ -71,6 +74,20 @@ def control_s(runs: list[Any]) -> float:
             for res in runs for prev, r in itertools.pairwise(res.iterations[WARMUP - 1:])
             if "barrier_before_s" in r]
     return max(0.0, statistics.median(gaps)) if gaps else 0.0
+
+
+def control_cores(runs: list[Any]) -> float:
+    """Cores' worth of control-plane work the devices' cores share (the simulator's `cost.control_cores`):
+    over the runs' measured iterations, the driver process's CPU seconds (driver and scheduler; a row's
+    `driver_cpu_s` runs from the previous completion) less the optimizer step the barrier already prices
+    (`train_apply_s`), over the seconds from completion to completion; 0 without any."""
+    cpu = secs = 0.0
+    for res in runs:
+        for a, b in itertools.pairwise(window_rows(res.iterations, lead=1)):
+            if "driver_cpu_s" in b:
+                cpu += float(b["driver_cpu_s"]) - float(b.get("train_apply_s", 0.0))
+                secs += float(b["elapsed_s"]) - float(a["elapsed_s"])
+    return max(0.0, cpu / secs) if secs > 0 else 0.0
 
 
 def combined(results: list[Any]) -> dict[str, Any]:
@@ -105,7 +122,9 @@ def profile(cfg: Any, by_config: dict[str, list[Any]], onpolicy: list[str]) -> d
     one = train_rate([res for name, results in by_config.items() if name.startswith("static ")
                       for res in results]) or train_rate(runs)
     two = train_rate(by_config.get("colocated", []))
-    dp = min(1.0, two / one) if one and two else 1.0
+    # with both devices busy the shared cores already slow each (`control_cores`): the loss is what is left
+    cores = control_cores(runs)
+    dp = min(1.0, two / one * shared_core_slowdown(2, 2, cores)) if one and two else 1.0
     shifts: dict[str, list[float]] = {role: [] for role in ROLES}
     for res in runs:
         for e in res.shifts:
@@ -152,6 +171,8 @@ def profile(cfg: Any, by_config: dict[str, list[Any]], onpolicy: list[str]) -> d
                       "tokens_per_s_per_device": one, "dp_efficiency_per_doubling": dp, "weights_gb": 0.0,
                       "init_s": _median(shifts["train"], all_shifts) + over},
             "gps": {"fetch_tier": "host", "tiers": {"host": {"bandwidth_gb_s": 10.0}}},
+            # the devices are the host's cores, which the driver and scheduler share with them
+            "control_cores": cores,
             # the measured barrier is the whole owner's step: the simulator models the same owner
             "iteration": {"optimizer_step_s": statistics.median(barrier) if barrier else 0.0,
                           "weight_sync_s": statistics.median(sync) if sync else 0.0,

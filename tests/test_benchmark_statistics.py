@@ -71,6 +71,25 @@ def test_shift_overhead_is_shifting_time_per_shift_beyond_its_phases() -> None:
     assert shift_overhead([_Run([_row((0.0, 0.0), 0)])], [0.004]) == 0.0
 
 
+def test_control_cores_are_the_drivers_cpu_beside_its_optimizer_step_over_the_window() -> None:
+    """Rows 1-2 of each run are measured (0 is the warm-up, the last the cool-down); each row's CPU runs
+    from the previous completion, so the warm-up's own CPU and the cool-down's are left out."""
+    from benchmarks.fidelity import control_cores
+
+    def run(cpu: list[float], apply: list[float], elapsed: list[float]) -> _Run:
+        r = _Run([])
+        r.iterations = [{"driver_cpu_s": c, "train_apply_s": a, "elapsed_s": e}
+                        for c, a, e in zip(cpu, apply, elapsed, strict=True)]
+        return r
+
+    runs = [run([9.0, 0.5, 0.3, 9.0], [0.0, 0.1, 0.1, 0.0], [5.0, 7.0, 8.0, 20.0]),
+            run([9.0, 0.6, 9.0], [0.0, 0.0, 0.0], [1.0, 3.0, 30.0])]
+    assert control_cores(runs) == pytest.approx((0.4 + 0.2 + 0.6) / (2.0 + 1.0 + 2.0))
+    assert control_cores([run([1.0, 2.0], [0.0, 0.0], [1.0, 2.0])]) == 0.0  # nothing measured
+    old = _Run([_row((1.0, 0.0), 5), _row((1.0, 0.0), 5)])  # rows written before the driver's CPU
+    assert control_cores([old]) == 0.0
+
+
 @pytest.mark.parametrize("quick", [True, False])
 def test_the_paradigms_window_is_whole_staleness_periods(quick: bool) -> None:
     """With staleness k, iterations alternate with period k + 1; a window of 5 at k = 1 read 1-3 % low."""

@@ -82,6 +82,7 @@ class IterationMeter:
         self._t_poll = 0.0
         self._roles_now: dict[str, str | None] = {}
         self.n_devices = 0
+        self._cpu_prev = time.process_time()
 
     # -- planning hints ---------------------------------------------------------------------------------
     def iteration_plan(self, it: int, samples: list[Any], cfg: Any) -> Any:
@@ -190,6 +191,10 @@ class IterationMeter:
         row["device_time"] = per_dev
         row["plan_s"] = st.get("plan_s", 0.0) - self.plan0[0]  # controller CPU time (scheduler process)
         row["plans"] = st.get("plans", 0) - self.plan0[1]
+        # this process's CPU seconds since the previous completion: the driver, and the scheduler where it
+        # runs in the driver's process (a local cluster), on the cores a CPU cluster's devices share
+        cpu = time.process_time()
+        row["driver_cpu_s"], self._cpu_prev = cpu - self._cpu_prev, cpu
         for key in DEVICE_TIME_KEYS:
             row[f"dev_{key}_s"] = sum(d.get(key, 0.0) for d in per_dev.values())
         for key in (*ROLES, "shifting", "idle"):

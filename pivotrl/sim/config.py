@@ -126,6 +126,10 @@ class CostProfile(Section):
     gps: GPSCost
     iteration: IterationCost = IterationCost()
     abort_s: float = Field(0.0, ge=0, description="per aborted batch: engine bookkeeping")
+    control_cores: float = Field(
+        0.0, ge=0, description="cores' worth of control-plane work (scheduler, driver) on the devices' own "
+        "cores, as on a CPU cluster whose devices are one host's cores: busy devices slow down when fewer "
+        "cores than this are idle (`costs.shared_core_slowdown`); 0 where devices are accelerators")
 
 
 class ClusterConfig(Section):

@@ -44,6 +44,24 @@ def prefill_time(cost: GenRoleCost, tokens: float) -> float:
     return tokens / cost.prefill_tokens_per_s
 
 
+#: The largest share of a busy device's core the control plane is taken to claim (`shared_core_slowdown`).
+MAX_CORE_SHARE = 0.9
+
+
+def shared_core_slowdown(busy: int, devices: int, control_cores: float) -> float:
+    """How much slower each of `busy` devices works when the devices are a host's cores (a CPU cluster) and
+    the control plane (scheduler, driver) needs `control_cores` of them: it runs on idle cores first and
+    takes what is left evenly from the busy ones. 1 where the idle cores hold it, or nothing is busy.
+
+    Why: on the 2-core cluster a decode step at batch 32 took 1.7-1.9 ms with the other core idle and
+    2.2-2.4 ms with both at work, while the driver process ran 0.16-0.19 cores (docs/decisions.md, "The
+    control plane shares the CPU cluster's cores")."""
+    excess = control_cores - (devices - busy)
+    if busy <= 0 or excess <= 0.0:
+        return 1.0
+    return 1.0 / (1.0 - min(excess / busy, MAX_CORE_SHARE))
+
+
 def dp_efficiency(train: TrainRoleCost, replicas: int) -> float:
     """Data-parallel scaling: each doubling of train replicas keeps this fraction of per-device speed."""
     return train.dp_efficiency_per_doubling ** math.log2(max(replicas, 1))

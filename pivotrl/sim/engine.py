@@ -25,7 +25,7 @@ from typing import Any
 from pivotrl.core import Decision, Role, Sequence, ShiftTimings
 from pivotrl.core.staleness import InFlight, StalenessBound
 from pivotrl.sim.config import ROLES, SimConfig
-from pivotrl.sim.costs import barrier_time, shift_time, step_time, train_rate
+from pivotrl.sim.costs import barrier_time, shared_core_slowdown, shift_time, step_time, train_rate
 from pivotrl.sim.driver import build_controller, expected, iteration_plan
 from pivotrl.sim.replicas import GenReplica, TrainReplica
 from pivotrl.sim.workload import SeqSpec, iteration_sequences
@@ -355,6 +355,8 @@ class Simulator:
         self._push(s.tick_s, "periodic", None)
         self._push(s.progress_s, "progress", None)
         while self.events and not self.done:
+            if self.cfg.cost.control_cores > 0.0:
+                self._share_cores()
             t, _, kind, key, ver = heapq.heappop(self.events)
             if t > self.cfg.max_sim_time_s:
                 break
@@ -388,6 +390,16 @@ class Simulator:
             self._request_dispatch()
         return self._result()
 
+    def _share_cores(self) -> None:
+        """Every busy replica at the step time the host's shared cores give it now
+        (`costs.shared_core_slowdown`; the cluster is one host); each change re-times its next event."""
+        busy = [rep for rep in self.reps.values() if rep.busy(self.now)]
+        slow = shared_core_slowdown(sum(len(r.devices) for r in busy), self.N, self.cfg.cost.control_cores)
+        for rep in busy:
+            if rep.slow != slow:
+                rep.set_slow(self.now, slow)
+                self._schedule(rep)
+
     def _request_dispatch(self) -> None:
         """Coalesce dispatch calls: a runtime reports finished work in batches, not one by one."""
         window = self.cfg.scheduler.dispatch_batch_s
@@ -404,7 +416,7 @@ class Simulator:
             conc = rep.load
             done = rep.pop_finished()
             ctx = rep.context_tokens()
-            self.ctl.on_step(rep.replica_id, conc, step_time(rep.cost, conc, ctx), self.now,
+            self.ctl.on_step(rep.replica_id, conc, step_time(rep.cost, conc, ctx) * rep.slow, self.now,
                              context_tokens=ctx)
             for r in done:
                 follow += self._finished(rep, r.item_id, r.target)

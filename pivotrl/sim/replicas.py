@@ -47,11 +47,12 @@ class GenReplica:
     busy_time: float = 0.0
     tokens: float = 0.0
     prefill_tokens: float = 0.0
+    slow: float = 1.0  # step and prefill time multiplier: the host's cores shared (`set_slow`)
 
     # -- analytic decode --------------------------------------------------------------------------
     def _coeffs(self) -> tuple[float, float]:
-        d, b = self.cost.decode, len(self.running)
-        return d.a_s + d.b_s * b + d.c_s * self.k_sum, d.c_s * b
+        d, b, f = self.cost.decode, len(self.running), self.slow
+        return f * (d.a_s + d.b_s * b + d.c_s * self.k_sum), f * d.c_s * b
 
     def generated_tokens(self) -> float:
         """Tokens generated so far by the running sequences (what a progress report carries)."""
@@ -102,7 +103,7 @@ class GenReplica:
         """Start a sequence: prefill its prompt (+ already generated tokens when it resumes)."""
         self.advance(now)
         ctx = prompt + generated
-        pre = prefill_time(self.cost, ctx)
+        pre = prefill_time(self.cost, ctx) * self.slow
         begin = max(now, self.paused_until)
         self.paused_until = begin + pre
         self.busy_time += pre
@@ -112,6 +113,20 @@ class GenReplica:
         self.k_sum += prompt + generated - self.step
         self.g_sum += generated - self.step
         heapq.heappush(self.heap, (r.finish_step(), item_id))
+        self.version += 1
+
+    def busy(self, now: float) -> bool:
+        """Decoding, or prefilling / loading a version (a pause)."""
+        return bool(self.running) or self.paused_until > now
+
+    def set_slow(self, now: float, slow: float) -> None:
+        """Work at `slow` times the profile's step time from `now` on (what is left of a pause too)."""
+        self.advance(now)
+        if self.paused_until > now:
+            left = self.paused_until - now
+            self.paused_until = now + left * slow / self.slow
+            self.busy_time += left * (slow / self.slow - 1.0)
+        self.slow = slow
         self.version += 1
 
     def pause(self, now: float, seconds: float) -> None:
@@ -174,6 +189,7 @@ class TrainReplica:
     version: int = 0
     busy_time: float = 0.0
     tokens: float = 0.0
+    slow: float = 1.0  # micro-batch time multiplier: the host's cores shared (`set_slow`)
 
     def start_next(self, now: float, rate: float) -> None:
         """Begin the next micro-batch from `pending` if idle."""
@@ -183,7 +199,7 @@ class TrainReplica:
         self.batch, self.pending = self.pending[:take], self.pending[take:]
         toks = sum(n for _, n in self.batch)
         self.batch_start = now
-        self.batch_end = now + toks / rate
+        self.batch_end = now + toks / rate * self.slow
         self.version += 1
 
     def finish(self, now: float) -> list[tuple[str, int]]:
@@ -208,6 +224,16 @@ class TrainReplica:
             self.pending = rest + self.pending
             self.version += 1
             self.start_next(now, rate)
+
+    def busy(self, now: float) -> bool:
+        return bool(self.batch)
+
+    def set_slow(self, now: float, slow: float) -> None:
+        """Work at `slow` times the profile's time from `now` on: what is left of the batch stretches."""
+        if self.batch:
+            self.batch_end = now + (self.batch_end - now) * slow / self.slow
+        self.slow = slow
+        self.version += 1
 
     @property
     def load(self) -> int:

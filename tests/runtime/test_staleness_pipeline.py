@@ -190,3 +190,16 @@ def test_a_run_whose_devices_go_quiet_says_so_with_the_schedulers_state_and_fini
     warned = [ln for ln in lines if ln.startswith("no output from the devices")]
     assert len(rows) == 2 and 3 <= len(warned) <= 4
     assert all("scheduler holds rollout: 6 running" in ln for ln in warned)
+
+
+def test_each_row_carries_the_drivers_cpu_since_the_previous_completion() -> None:
+    """`driver_cpu_s` (what `benchmarks.fidelity` reads the control plane's cores from): never negative,
+    and the rows together hold no more than the process spent over the run, nor less than its later rows."""
+    import time
+
+    before = time.process_time()
+    rows, _, _ = _run(0, iterations=3)
+    spent = time.process_time() - before
+    cpu = [row["driver_cpu_s"] for row in rows]
+    assert len(cpu) == 3 and min(cpu) >= 0.0 and sum(cpu[1:]) > 0.0
+    assert sum(cpu) <= spent + 1e-6
