@@ -4,7 +4,10 @@ Each role's work is converted to device-seconds at the role's *peak* per-device 
 batch the KV cache allows, prefill at its rate, training at single-replica tokens/s), summed over roles and
 divided by the device count. The per-iteration train sync (gradient reduction, optimizer step, publish) is
 added once per iteration at its cheapest (`least_sync_s`): on-policy it is serial in every paradigm; with
-staleness the next iteration may overlap it, so only its device-time counts. No real schedule can beat this.
+staleness the next iteration may overlap it, so only its device-time counts. Where the control plane shares
+the devices' cores (`cost.control_cores`), every device busy still works at the slowed rate
+(`shared_core_slowdown`): the cluster never holds more than that, idle cores or not. No real schedule can
+beat this.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from pivotrl.sim.config import ROLES, SimConfig
-from pivotrl.sim.costs import barrier_time, peak_decode_tps_per_device
+from pivotrl.sim.costs import barrier_time, peak_decode_tps_per_device, shared_core_slowdown
 from pivotrl.sim.workload import SeqSpec, iteration_sequences, mean_length
 
 
@@ -28,6 +31,13 @@ def _work(cfg: SimConfig, prompt: np.ndarray, resp: np.ndarray, crit: np.ndarray
            + judge.sum() / c.reward.prefill_tokens_per_s * c.reward.devices_per_replica)
     train = (prompt + resp).sum() / c.train.tokens_per_s_per_device
     return {"rollout": float(roll), "reward": float(rew), "train": float(train)}
+
+
+def cluster_seconds(cfg: SimConfig, work_device_s: float) -> float:
+    """The least time the whole cluster takes for `work_device_s`: every device busy, each at the shared
+    cores' slowdown (with k busy the cluster works at k / slowdown(k), which never falls as k grows)."""
+    n = cfg.cluster.devices
+    return work_device_s * shared_core_slowdown(n, n, cfg.cost.control_cores) / n
 
 
 def work_per_iteration(cfg: SimConfig, n: int = 20000) -> dict[str, float]:
@@ -73,7 +83,7 @@ def fluid_bound(cfg: SimConfig, seqs_per_iter: list[list[SeqSpec]] | None = None
         w = _work(cfg, prompt, resp, crit)
         for r in ROLES:
             per_role[r] += w[r]
-        total_time += sum(w.values()) / n_dev + serial
+        total_time += cluster_seconds(cfg, sum(w.values())) + serial
         total_tokens += float((prompt + resp).sum())
     return {
         "makespan_s": total_time,
@@ -117,7 +127,7 @@ def latency_bound(cfg: SimConfig, seqs_per_iter: list[list[SeqSpec]] | None = No
         prompt = np.array([s.prompt_len for s in seqs], dtype=float)
         resp = np.array([s.response_len for s in seqs], dtype=float)
         crit = np.array([s.critique_len for s in seqs], dtype=float)
-        fluid_t = sum(_work(cfg, prompt, resp, crit).values()) / n_dev
+        fluid_t = cluster_seconds(cfg, sum(_work(cfg, prompt, resp, crit).values()))
         total += chain + serial
         tight += max(chain, fluid_t) + serial
         tokens += float((prompt + resp).sum())

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pivotrl.sim.compare import simulate
+from pivotrl.sim.compare import compare, simulate
 from pivotrl.sim.config import DecodeCost, GenRoleCost, TrainRoleCost, load_sim_config
 from pivotrl.sim.costs import MAX_CORE_SHARE, shared_core_slowdown
 from pivotrl.sim.replicas import GenReplica, TrainReplica
@@ -32,7 +32,10 @@ def test_busy_devices_lose_what_the_idle_cores_cannot_hold(devices: int, data: s
     else:
         assert busy * (1.0 - 1.0 / f) == pytest.approx(min(excess, MAX_CORE_SHARE * busy))
     if busy < devices:
-        assert shared_core_slowdown(busy + 1, devices, cores) >= f - 1e-12
+        more = shared_core_slowdown(busy + 1, devices, cores)
+        assert more >= f - 1e-12
+        # ... yet the cluster never works less with one more device busy (the fluid bound's premise)
+        assert (busy + 1) / more >= busy / f - 1e-9
 
 
 def test_a_replica_slowed_mid_work_ends_its_remaining_work_that_much_later() -> None:
@@ -78,3 +81,13 @@ def test_two_cores_slow_only_while_both_are_busy() -> None:
     assert slowed.finished and slowed.conservation["conserved"]
     before, after = sum(base.busy_device_s.values()), sum(slowed.busy_device_s.values())
     assert before * 1.001 < after < before * 4.0 / 3.0 * 0.999
+
+
+def test_no_paradigm_beats_the_fluid_bound_of_shared_cores() -> None:
+    """The fluid bound counts the slowdown of every device busy at once: still an upper bound."""
+    rep = compare(load_sim_config(CPU2, ["cost.control_cores=0.5", *SHORT]))
+    runs = rep.pop("_results")
+    assert all(r.finished for r in runs.values())
+    assert 0.0 < rep["fraction_of_fluid_bound"] <= 1.0
+    bound = rep["fluid_bound"]["tokens_per_s_per_device"]
+    assert all(r.tokens_per_s_per_device <= bound * (1 + 1e-9) for r in runs.values())
