@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from pivotrl.sim.compare import compare, simulate
 from pivotrl.sim.config import DecodeCost, GenRoleCost, TrainRoleCost, load_sim_config
 from pivotrl.sim.costs import MAX_CORE_SHARE, shared_core_slowdown
+from pivotrl.sim.fluid import fluid_bound
 from pivotrl.sim.replicas import GenReplica, TrainReplica
 
 CPU2 = Path(__file__).resolve().parents[2] / "configs/sim/cpu-2dev.yaml"
@@ -91,3 +92,17 @@ def test_no_paradigm_beats_the_fluid_bound_of_shared_cores() -> None:
     assert 0.0 < rep["fraction_of_fluid_bound"] <= 1.0
     bound = rep["fluid_bound"]["tokens_per_s_per_device"]
     assert all(r.tokens_per_s_per_device <= bound * (1 + 1e-9) for r in runs.values())
+
+
+@settings(max_examples=8, deadline=None)
+@given(seed=st.integers(0, 10_000), cores=st.floats(0.05, 1.9), k=st.integers(0, 1))
+def test_any_control_plane_keeps_the_work_and_stays_under_its_bound(seed: int, cores: float, k: int) -> None:
+    """Random seeds, control planes and staleness: every sequence and token is still done once, and
+    shiftable stays under the fluid bound that counts the shared cores."""
+    over = [f"seed={seed}", f"workload.max_staleness={k}", *SHORT]
+    base = simulate(load_sim_config(CPU2, over), "shiftable")
+    r = simulate(load_sim_config(CPU2, [f"cost.control_cores={cores}", *over]), "shiftable")
+    assert r.finished and r.conservation["conserved"], r.conservation
+    assert r.conservation["train_tokens_done"] == base.conservation["train_tokens_done"]
+    bound = fluid_bound(load_sim_config(CPU2, [f"cost.control_cores={cores}", *over]))
+    assert r.tokens_per_s_per_device <= bound["tokens_per_s_per_device"] * (1 + 1e-9)
