@@ -257,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
             tps = measured(runs[name][-1])["tokens_per_s_per_device"]
             print(f"real round {rep + 1} {name:<32} {tps:8.1f} tok/s/device", flush=True)
     prof = profile(cfg, runs, [name for name, _m, _g, k in configs if k == 0])
+    print(f"profile: control plane {prof['cost']['control_cores']:.3f} cores beside the devices, train "
+          f"data-parallel efficiency {prof['cost']['train']['dp_efficiency_per_doubling']:.3f}", flush=True)
     out: dict[str, Any] = {"profile": {k: v for k, v in prof["cost"].items()}, "sim_config": prof,
                            "paradigms": {}}
     for name, _mode, groups, k in configs:
