@@ -123,8 +123,9 @@ def profile(cfg: Any, by_config: dict[str, list[Any]], onpolicy: list[str]) -> d
                       for res in results]) or train_rate(runs)
     two = train_rate(by_config.get("colocated", []))
     # with both devices busy the shared cores already slow each (`control_cores`): the loss is what is left
+    n_dev = 2
     cores = control_cores(runs)
-    dp = min(1.0, two / one * shared_core_slowdown(2, 2, cores)) if one and two else 1.0
+    dp = min(1.0, two / one * shared_core_slowdown(n_dev, n_dev, cores)) if one and two else 1.0
     shifts: dict[str, list[float]] = {role: [] for role in ROLES}
     for res in runs:
         for e in res.shifts:
@@ -148,7 +149,6 @@ def profile(cfg: Any, by_config: dict[str, list[Any]], onpolicy: list[str]) -> d
     def empirical(xs: list[int], cap: int) -> dict[str, Any]:
         return {"dist": "empirical", "samples": [max(1, int(x)) for x in xs], "min": 1, "max": max(cap, *xs)}
 
-    n_dev = 2
     sc = cfg.scheduler
     return {
         "name": "fidelity-measured",
