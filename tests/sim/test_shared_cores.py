@@ -101,8 +101,9 @@ def test_any_control_plane_keeps_the_work_and_stays_under_its_bound(seed: int, c
     shiftable stays under the fluid bound that counts the shared cores."""
     over = [f"seed={seed}", f"workload.max_staleness={k}", *SHORT]
     base = simulate(load_sim_config(CPU2, over), "shiftable")
-    r = simulate(load_sim_config(CPU2, [f"cost.control_cores={cores}", *over]), "shiftable")
+    cfg = load_sim_config(CPU2, [f"cost.control_cores={cores}", *over])
+    r = simulate(cfg, "shiftable")
     assert r.finished and r.conservation["conserved"], r.conservation
     assert r.conservation["train_tokens_done"] == base.conservation["train_tokens_done"]
-    bound = fluid_bound(load_sim_config(CPU2, [f"cost.control_cores={cores}", *over]))
+    bound = fluid_bound(cfg)
     assert r.tokens_per_s_per_device <= bound["tokens_per_s_per_device"] * (1 + 1e-9)
