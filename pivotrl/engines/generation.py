@@ -10,8 +10,8 @@ resume that partial sequence on *another* device. This engine does exactly that:
   in the same step and its slot is reused.
 * **Fast decode.** Weights packed once on CPU (for the native matmul, fp32 on AVX-512 and bf16 on
   AVX512-BF16; otherwise for oneDNN), fused q/k/v and gate/up matmuls, and native fused kernels for the
-  rest of the step (`kernels.py`; built on first use, torch ops where they cannot build); weights and KV
-  cache on huge pages where the kernel allows (`malloc.huge_pages`). `dtype=torch.bfloat16` casts the
+  rest of the step (`kernels.py`; built on first use, torch ops where they cannot build); the packed
+  weights on huge pages where the kernel allows (`malloc.huge_pages`). `dtype=torch.bfloat16` casts the
   weights once at build; sampling and log-probs stay fp32, computed from the logits. fp32 is the default.
 * **KV cache.** One pre-allocated slot cache, `[layers, 2, max_batch, kv_heads, cap, head_dim]` (see
   `kv_cache.KVSlots`; keys in transposed blocks of 16 positions). Running sequences are kept compact in slots

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 import torch
 
 from pivotrl.engines.arch import head_dim
-from pivotrl.malloc import huge_pages
 
 KEY_BLOCK = 16  # positions per key block of the cache (one AVX-512 vector of fp32 scores)
 
@@ -37,8 +36,9 @@ class KVSlots:
         kv_heads, d, layers = config.num_key_value_heads, head_dim(config), config.num_hidden_layers
         max_len = _round_up(max_len, KEY_BLOCK)
         self.kv = torch.empty((layers, 2, slots, kv_heads, max_len, d), device=device, dtype=dtype)
-        if self.kv.device.type == "cpu":  # before the first touch: fresh pages then fault in huge, no copy
-            huge_pages([(self.kv.data_ptr(), self.kv.numel() * self.kv.element_size())])
+        # Ordinary pages, not huge ones: a cache is allocated per engine and again at every growth
+        # (`grown`), and in a process whose memory other work has churned, asking for huge pages there made
+        # the kernel compact memory first (docs/decisions.md, "The KV cache stays on ordinary pages").
         self.kv.zero_()  # the torch path reads stale positions (masked): they must be finite
         blocks = max_len // KEY_BLOCK
         # [layers, slots, kv_heads, blocks, KEY_BLOCK (position in block), head_dim]: a strided view.

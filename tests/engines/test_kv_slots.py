@@ -56,3 +56,27 @@ def test_copy_slots_and_grown_keep_each_prefix():
         assert torch.equal(bigger.keys(layer, 2, 17)[1], keys[2][layer].transpose(0, 1))
         assert torch.equal(bigger.v[layer, 0, :, :33], values[0][layer].transpose(0, 1))
     assert not bigger.kv[:, :, 2].any()  # slot 2 was not asked for
+
+
+def test_a_cache_and_its_growth_ask_the_kernel_for_no_huge_pages(monkeypatch):
+    """The cache is allocated per engine and again at every growth; asking for huge pages there made the
+    kernel compact memory first, 0.22-0.29 s a cache in a churned process (docs/decisions.md, "The KV
+    cache stays on ordinary pages"). Every madvise call is recorded; none may cover the cache's memory."""
+    import pivotrl.malloc as malloc
+
+    calls: list[tuple[int, int, int]] = []
+
+    def record(addr: int, n: int, advice: int) -> int:
+        calls.append((addr, n, advice))
+        return 0
+
+    monkeypatch.setattr(malloc, "_madvise", lambda: record)
+    config = make_config("debug")
+    # large enough that `huge_pages` would act on it (over `MIN_HUGE_BYTES`)
+    slots = 64
+    cache = KVSlots(config, slots=slots, max_len=1024, device="cpu", dtype=torch.float32)
+    assert cache.nbytes() >= malloc.MIN_HUGE_BYTES
+    bigger = cache.grown(2048, 3)
+    for c in (cache, bigger):
+        lo, hi = c.kv.data_ptr(), c.kv.data_ptr() + c.nbytes()
+        assert not [x for x in calls if x[0] < hi and x[0] + x[1] > lo]
