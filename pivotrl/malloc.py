@@ -71,12 +71,13 @@ def huge_pages(ranges: list[tuple[int, int]]) -> int:
     """Back the memory of `ranges` ((address, nbytes) pairs) with 2 MiB transparent huge pages; returns how
     many huge pages the kernel collapsed (0 where it cannot: not Linux, THP off, kernel before 6.1).
 
-    Why: a decode step reads every weight and the whole KV prefix once, tens of MB scattered over 4 KiB
-    pages, more than the TLB maps; with huge pages the page walks go away (measured: decode attention over
-    a cold cache 185 -> 153 us per layer, packed bf16 matmuls 2-5 % faster, the generation benchmark's
-    bf16 run 4 % less CPU time). The 2 MiB chunks the ranges
-    touch are collapsed whole, so neighbouring heap memory in those chunks moves to huge pages too (the
-    contents are unchanged). Buffers totalling under 4 MiB are left alone.
+    Why: a decode step reads every packed weight once, tens of MB scattered over 4 KiB pages, more than
+    the TLB maps; with huge pages the page walks go away (measured: packed bf16 matmuls 2-5 % faster).
+    The packed weights are collapsed once per weight version; the KV cache, allocated per engine and at
+    every growth, is not: there the kernel compacted fragmented memory first (docs/decisions.md, "The KV
+    cache stays on ordinary pages"). The 2 MiB chunks the ranges touch are collapsed whole, so
+    neighbouring heap memory in those chunks moves to huge pages too (the contents are unchanged).
+    Buffers totalling under 4 MiB are left alone.
     """
     if sum(n for _, n in ranges) < MIN_HUGE_BYTES:
         return 0

@@ -73,8 +73,7 @@ def test_a_cache_and_its_growth_ask_the_kernel_for_no_huge_pages(monkeypatch):
     monkeypatch.setattr(malloc, "_madvise", lambda: record)
     config = make_config("debug")
     # large enough that `huge_pages` would act on it (over `MIN_HUGE_BYTES`)
-    slots = 64
-    cache = KVSlots(config, slots=slots, max_len=1024, device="cpu", dtype=torch.float32)
+    cache = KVSlots(config, slots=64, max_len=1024, device="cpu", dtype=torch.float32)
     assert cache.nbytes() >= malloc.MIN_HUGE_BYTES
     bigger = cache.grown(2048, 3)
     for c in (cache, bigger):
