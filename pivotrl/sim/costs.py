@@ -34,12 +34,6 @@ def step_time(cost: GenRoleCost, batch: int, context_tokens: float) -> float:
     return d.a_s + d.b_s * batch + d.c_s * context_tokens
 
 
-def peak_decode_tps_per_device(cost: GenRoleCost, mean_context: float) -> float:
-    """Best steady decode rate of one device: the largest batch the KV cache and max_batch allow."""
-    batch = max(1, min(cost.max_batch, int(cost.kv_tokens // max(mean_context, 1.0))))
-    return batch / step_time(cost, batch, batch * mean_context) / cost.devices_per_replica
-
-
 def prefill_time(cost: GenRoleCost, tokens: float) -> float:
     return tokens / cost.prefill_tokens_per_s
 

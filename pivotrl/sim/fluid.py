@@ -1,10 +1,11 @@
 """The fluid bound: every device busy at its role's peak efficiency throughout, no tails, no shift cost.
 
 Each role's work is converted to device-seconds at the role's *peak* per-device rate (decode at the largest
-batch the KV cache allows, prefill at its rate, training at single-replica tokens/s), summed over roles and
-divided by the device count. The per-iteration train sync (gradient reduction, optimizer step, publish) is
-added once per iteration at its cheapest (`least_sync_s`): on-policy it is serial in every paradigm; with
-staleness the next iteration may overlap it, so only its device-time counts. Where the control plane shares
+batch the KV cache allows, each token paying for its own context; prefill at its rate; training at
+single-replica tokens/s), summed over roles and divided by the device count. The per-iteration train sync
+(gradient reduction, optimizer step, publish) is added once per iteration at its cheapest (`least_sync_s`):
+on-policy it is serial in every paradigm; with staleness the next iteration may overlap it, so only its
+device-time counts. Where the control plane shares
 the devices' cores (`cost.control_cores`), every device busy still works at the slowed rate
 (`shared_core_slowdown`): the cluster never holds more than that, idle cores or not. No real schedule can
 beat this.
@@ -14,20 +15,33 @@ from __future__ import annotations
 
 import numpy as np
 
-from pivotrl.sim.config import ROLES, SimConfig
-from pivotrl.sim.costs import barrier_time, peak_decode_tps_per_device, shared_core_slowdown
+from pivotrl.sim.config import ROLES, GenRoleCost, SimConfig
+from pivotrl.sim.costs import barrier_time, shared_core_slowdown
 from pivotrl.sim.workload import SeqSpec, iteration_sequences, mean_length
+
+
+def decode_device_s(cost: GenRoleCost, context: np.ndarray, tokens: np.ndarray) -> float:
+    """The least device-seconds to decode ``tokens[i]`` tokens after a context of ``context[i]``.
+
+    A step at batch B costs ``a + b*B + c*(its rows' contexts)``. Every step's ``a`` is shared by at most the
+    largest batch ``max_batch`` and the KV cache allow, every token pays ``b``, and every token pays ``c`` for
+    its *own* context: the i-th sequence's tokens together ``c * (context[i]*n + n*n/2)`` for n tokens, as the
+    simulator integrates it. Why not a mean context times the tokens: a long sequence decodes many tokens
+    at a long context, so the token-weighted context of a long-tailed workload is ~2x the mean over
+    sequences, and a bound priced at the latter undercounts work that every schedule pays."""
+    d = cost.decode
+    seq_context = float(np.mean(context + 0.5 * tokens))
+    batch = max(1, min(cost.max_batch, int(cost.kv_tokens // max(seq_context, 1.0))))
+    context_work = float((tokens * (context + 0.5 * tokens)).sum())
+    return (float(tokens.sum()) * (d.a_s / batch + d.b_s) + d.c_s * context_work) * cost.devices_per_replica
 
 
 def _work(cfg: SimConfig, prompt: np.ndarray, resp: np.ndarray, crit: np.ndarray) -> dict[str, float]:
     c = cfg.cost
-    tmpl = cfg.workload.judge_template_tokens
-    roll_ctx = float(np.mean(prompt + 0.5 * resp))
-    judge = prompt + resp + tmpl
-    rew_ctx = float(np.mean(judge + 0.5 * crit))
-    roll = (resp.sum() / peak_decode_tps_per_device(c.rollout, roll_ctx)
+    judge = prompt + resp + cfg.workload.judge_template_tokens
+    roll = (decode_device_s(c.rollout, prompt, resp)
             + prompt.sum() / c.rollout.prefill_tokens_per_s * c.rollout.devices_per_replica)
-    rew = (crit.sum() / peak_decode_tps_per_device(c.reward, rew_ctx)
+    rew = (decode_device_s(c.reward, judge, crit)
            + judge.sum() / c.reward.prefill_tokens_per_s * c.reward.devices_per_replica)
     train = (prompt + resp).sum() / c.train.tokens_per_s_per_device
     return {"rollout": float(roll), "reward": float(rew), "train": float(train)}
