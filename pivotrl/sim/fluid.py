@@ -5,10 +5,9 @@ batch the KV cache allows, each token paying for its own context; prefill at its
 single-replica tokens/s), summed over roles and divided by the device count. The per-iteration train sync
 (gradient reduction, optimizer step, publish) is added once per iteration at its cheapest (`least_sync_s`):
 on-policy it is serial in every paradigm; with staleness the next iteration may overlap it, so only its
-device-time counts. Where the control plane shares
-the devices' cores (`cost.control_cores`), every device busy still works at the slowed rate
-(`shared_core_slowdown`): the cluster never holds more than that, idle cores or not. No real schedule can
-beat this.
+device-time counts. Where the control plane shares the devices' cores (`cost.control_cores`), every device
+busy still works at the slowed rate (`shared_core_slowdown`): the cluster never holds more than that, idle
+cores or not. No real schedule can beat this.
 """
 
 from __future__ import annotations
@@ -24,14 +23,19 @@ def decode_device_s(cost: GenRoleCost, context: np.ndarray, tokens: np.ndarray) 
     """The least device-seconds to decode ``tokens[i]`` tokens after a context of ``context[i]``.
 
     A step at batch B costs ``a + b*B + c*(its rows' contexts)``. Every step's ``a`` is shared by at most the
-    largest batch ``max_batch`` and the KV cache allow, every token pays ``b``, and every token pays ``c`` for
-    its *own* context: the i-th sequence's tokens together ``c * (context[i]*n + n*n/2)`` for n tokens, as the
+    largest batch a replica can hold, every token pays ``b``, and every token pays ``c`` for its *own*
+    context: the i-th sequence's tokens together ``c * (context[i]*n + n*n/2)`` for n tokens, as the
     simulator integrates it. Why not a mean context times the tokens: a long sequence decodes many tokens
-    at a long context, so the token-weighted context of a long-tailed workload is ~2x the mean over
-    sequences, and a bound priced at the latter undercounts work that every schedule pays."""
+    at a long context, so a long-tailed workload's token-weighted context is (1 + cv²) times the mean
+    over sequences, and a bound priced at the latter undercounts work that every schedule pays.
+
+    The largest batch is ``max_batch``, or fewer where the KV cache cannot admit that many of the
+    shortest contexts (a replica admits a row while its rows' contexts and the new one fit). Capping it at
+    the KV cache over a *mean* context let a replica of short prompts run more rows than the bound allowed,
+    and beat it."""
     d = cost.decode
-    seq_context = float(np.mean(context + 0.5 * tokens))
-    batch = max(1, min(cost.max_batch, int(cost.kv_tokens // max(seq_context, 1.0))))
+    shortest = float(context.min()) if context.size else 1.0
+    batch = max(1, min(cost.max_batch, int(cost.kv_tokens // max(shortest, 1.0))))
     context_work = float((tokens * (context + 0.5 * tokens)).sum())
     return (float(tokens.sum()) * (d.a_s / batch + d.b_s) + d.c_s * context_work) * cost.devices_per_replica
 
