@@ -26,8 +26,8 @@ def decode_device_s(cost: GenRoleCost, context: np.ndarray, tokens: np.ndarray) 
     largest batch a replica can hold, every token pays ``b``, and every token pays ``c`` for its *own*
     context: the i-th sequence's tokens together ``c * (context[i]*n + n*n/2)`` for n tokens, as the
     simulator integrates it. Why not a mean context times the tokens: a long sequence decodes many tokens
-    at a long context, so a long-tailed workload's token-weighted context is (1 + cv²) times the mean
-    over sequences, and a bound priced at the latter undercounts work that every schedule pays.
+    at a long context, so a decoded token sits (1 + cv²) times as far into its response, on average, as
+    the mean over sequences says, and a bound priced at the latter undercounts work every schedule pays.
 
     The largest batch is ``max_batch``, or fewer where the KV cache cannot admit that many of the
     shortest contexts (a replica admits a row while its rows' contexts and the new one fit). Capping it at
