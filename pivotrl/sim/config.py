@@ -19,6 +19,10 @@ from pivotrl.errors import UserError
 ROLES = ("rollout", "reward", "train")
 
 
+#: Sequences of one iteration the simulator may hold (each is a few objects in memory).
+MAX_SEQUENCES = 10_000_000
+
+
 class LengthDist(Section):
     """A token-length distribution: lognormal (median, sigma), constant, uniform or empirical samples."""
 
@@ -42,10 +46,17 @@ class LengthDist(Section):
             raise ValueError("uniform needs low <= high")
         return self
 
+    def upper(self) -> int:
+        """The longest length a draw can take (every draw is clipped to [min, max])."""
+        top = {"constant": self.value, "uniform": self.high,
+               "empirical": max(self.samples, default=self.max)}.get(self.dist, self.max)
+        return min(max(top, self.min), self.max)
+
 
 class WorkloadConfig(Section):
-    prompts_per_iteration: int = Field(512, ge=1)
-    group_size: int = Field(16, ge=1)
+    # the simulator holds every sequence of an iteration in memory (`SimConfig` bounds their product)
+    prompts_per_iteration: int = Field(512, ge=1, le=1_000_000)
+    group_size: int = Field(16, ge=1, le=4096)
     iterations: int = Field(2, ge=1)
     prompt_len: LengthDist = LengthDist(median=256, sigma=0.5, max=4096)
     response_len: LengthDist = LengthDist(median=1024, sigma=0.8, max=8192)
@@ -196,6 +207,24 @@ class SimConfig(Section):
         need = max(c.reward.devices_per_replica, c.rollout.devices_per_replica, c.train.devices_per_replica)
         if self.cluster.devices < need:
             raise ValueError(f"cluster.devices must be >= {need} (one replica of the largest role)")
+        seqs = self.workload.prompts_per_iteration * self.workload.group_size
+        if seqs > MAX_SEQUENCES:
+            raise ValueError(f"workload.prompts_per_iteration: x group_size is {seqs} sequences an "
+                             f"iteration; the simulator holds at most {MAX_SEQUENCES}")
+        # Every sequence reserves its whole budget (`max`) after its prompt, as the engines do: the longest
+        # must fit one replica's KV cache, or the run fails at its first such sequence.
+        w = self.workload
+        prompt = w.prompt_len.upper()
+        needs = {
+            "rollout": ("workload.response_len.max", prompt + w.response_len.max),
+            "reward": ("workload.critique_len.max",
+                       prompt + w.response_len.upper() + w.judge_template_tokens + w.critique_len.max),
+        }
+        for role, (field, need) in needs.items():
+            held = getattr(c, role).kv_tokens
+            if need > held:
+                raise ValueError(f"{field}: the longest {role} sequence needs {need} KV tokens (prompt and "
+                                 f"budget); a {role} replica holds {held} (cost.{role}.kv_tokens)")
         if self.static_split is not None:
             bad = sorted(set(self.static_split) - set(ROLES))
             if bad:
