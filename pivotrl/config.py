@@ -19,11 +19,21 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from pivotrl.config_base import SafeName, Section, StorageRoot
 from pivotrl.config_judge import JudgeConfig, RegexVerdict, ScoreVerdict
-from pivotrl.errors import UserError
+from pivotrl.errors import FieldError, UserError, shown_key
+from pivotrl.model_shapes import check_shape
+from pivotrl.tasks.synthetic import length_distribution
 
 __all__ = ["JudgeConfig", "PipelineConfig", "RegexVerdict", "ScoreVerdict", "Section"]
 
 M = TypeVar("M", bound=BaseModel)
+
+
+#: Bounds on counts that size memory at once (problems sampled, sequences per iteration, the bootstrap's
+#: tokenised examples): far above any run on these machines, and low enough that a typo such as an extra
+#: six zeros is one clear error at load time, not an exhausted machine.
+MAX_PROMPTS = 1_000_000
+MAX_GROUP = 4096
+MAX_SFT_EXAMPLES = 1_000_000
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -74,9 +84,9 @@ class ModelsConfig(Section):
 
 class TaskConfig(Section):
     name: str = "sort"
-    prompts_per_iteration: int = Field(32, ge=1)
-    group_size: int = Field(4, ge=1)
-    eval_prompts: int = Field(200, ge=0)
+    prompts_per_iteration: int = Field(32, ge=1, le=MAX_PROMPTS)
+    group_size: int = Field(4, ge=1, le=MAX_GROUP)
+    eval_prompts: int = Field(200, ge=0, le=MAX_PROMPTS)
     dataset: str | None = Field(
         None, description="a JSONL or parquet file of {prompt, answer, uid?, ...} rows; None: task.name"
     )
@@ -101,16 +111,18 @@ class TaskConfig(Section):
         if self.dataset is None:
             for name in ("eval_dataset", "verifier", "generate"):
                 if getattr(self, name) is not None:
-                    raise ValueError(
-                        f"task.{name}: needs task.dataset (task.name {self.name!r} is synthetic)"
-                    )
+                    raise ValueError(f"[{name}] needs task.dataset (task.name {self.name!r} is synthetic)")
             if self.eval_fraction or self.on_bad_row != "error":
                 which = "eval_fraction" if self.eval_fraction else "on_bad_row"
-                raise ValueError(f"task.{which}: needs task.dataset (task.name={self.name!r} is synthetic)")
+                raise ValueError(f"[{which}] needs task.dataset (task.name={self.name!r} is synthetic)")
+            try:
+                length_distribution(self.options, "options")
+            except FieldError as exc:
+                raise ValueError(f"[options.{shown_key(exc.key)}] {exc.why}") from None
         elif self.eval_dataset is not None and self.eval_fraction:
-            raise ValueError("task.eval_fraction: set task.eval_dataset or task.eval_fraction, not both")
+            raise ValueError("[eval_fraction] set task.eval_dataset or task.eval_fraction, not both")
         elif self.options:
-            raise ValueError("task.options: synthetic tasks only (a dataset task has no options)")
+            raise ValueError("[options] synthetic tasks only (a dataset task has no options)")
         return self
 
 
@@ -150,7 +162,7 @@ class SFTConfig(Section):
     steps: int = Field(300, ge=0)
     batch_size: int = Field(32, ge=1)
     lr: float = Field(3e-3, gt=0.0)
-    examples: int = Field(20000, ge=1)
+    examples: int = Field(20000, ge=1, le=MAX_SFT_EXAMPLES)
     seed: int = 0
     init: Literal["scratch", "policy"] = Field(
         "scratch", description="judge only: start from random weights or from the bootstrap policy (like RMs)"
@@ -166,6 +178,14 @@ class SFTConfig(Section):
         description="task options for this model's SFT problems only, over task.options (e.g. a judge that "
         "sees long lists more often than the RL prompts do: {median: 5})",
     )
+
+    @model_validator(mode="after")
+    def _check_shape(self) -> SFTConfig:
+        try:
+            check_shape(self.base_size, self.shape)
+        except FieldError as exc:
+            raise ValueError(f"[shape.{shown_key(exc.key)}] {exc.why}") from None
+        return self
 
 
 class RewardConfig(Section):
@@ -305,10 +325,12 @@ class PipelineConfig(Section):
 
     @model_validator(mode="after")
     def _check_dataset(self) -> PipelineConfig:
-        if self.task.dataset is not None:
-            for role in ("train", "reward"):
-                if getattr(self, role).sft.data_options:
-                    raise ValueError(f"{role}.sft.data_options: synthetic tasks only (task.dataset is set)")
+        for role in ("train", "reward"):
+            data_options = getattr(self, role).sft.data_options
+            if self.task.dataset is not None and data_options:
+                raise ValueError(f"{role}.sft.data_options: synthetic tasks only (task.dataset is set)")
+            if self.task.dataset is None:  # over task.options, as the bootstrap samples its problems
+                length_distribution({**self.task.options, **data_options}, f"{role}.sft.data_options")
         return self
 
     @model_validator(mode="after")
@@ -411,7 +433,7 @@ def _format_error(source: str, exc: ValidationError) -> str:
     # a key with a newline or other control character is quoted: the error stays one line
     field = ".".join(str(p) if str(p).isprintable() else repr(str(p)) for p in err["loc"])
     msg = err["msg"].removeprefix("Value error, ")
-    named = re.match(r"\[(\w+)\] (.*)", msg)  # a section-level check naming one of its fields
+    named = re.match(r"\[([^\]]+)\] (.*)", msg)  # a section-level check naming one of its fields
     if named:
         return f"{source}: {f'{field}.' if field else ''}{named[1]}: {named[2]}"
     if not field and err["type"] == "value_error":  # a whole-config check: its message names the field

@@ -12,3 +12,20 @@ class UserError(Exception):
     """Bad input that the user can fix; the message names the field or file."""
 
     exit_code = 2
+
+
+class FieldError(ValueError):
+    """A check of one field of a free-form mapping failed (a task option, a model shape): `key` is the
+    field as given and `why` the reason; the message names it as ``<prefix>.<key>: <why>`` on one line, and
+    a caller that knows the mapping's place in a config re-raises it under that name."""
+
+    def __init__(self, prefix: str, key: object, why: str) -> None:
+        self.key, self.why = key, why
+        super().__init__(f"{prefix}{'.' if prefix else ''}{shown_key(key)}: {why}")
+
+
+def shown_key(key: object) -> str:
+    """A mapping key as it appears in a one-line message: as written when it is a plain name, else quoted
+    (a key with a newline or other control character must not break the line)."""
+    text = str(key)
+    return text if text.isprintable() and text and ":" not in text and " " not in text else repr(text)

@@ -39,6 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from pivotrl.errors import UserError
 from pivotrl.grpo import minibatch_slices, response_budget, seq_seed, train_problems
 from pivotrl.iteration_run import IterationRun, drive
 from pivotrl.runtime.messages import Collected, GradResult, ItemResult
@@ -136,6 +137,17 @@ def sampling_payload(sampling: Any, seed: int, eos_id: int | None = None) -> dic
     return out
 
 
+def check_kv_budget(role: str, prompt: int, budget: int, kv_tokens: int, uid: str) -> None:
+    """A `UserError` naming `<role>.engine.kv_budget_tokens` when one sequence (its prompt and its whole
+    budget of new tokens, what the engine reserves) cannot fit a replica's KV cache: no replica could ever
+    run it, and core's admission would otherwise fail the run with a traceback."""
+    if prompt + budget > kv_tokens:
+        raise UserError(
+            f"{role}.engine.kv_budget_tokens: {kv_tokens} tokens cannot hold one sequence of problem {uid}: "
+            f"its {prompt}-token prompt and {budget} new tokens ({role}.sampling.max_new_tokens)"
+        )
+
+
 class RolloutStage(Stage):
     """The policy writes a response (on rollout devices, at the iteration's policy version)."""
 
@@ -150,6 +162,8 @@ class RolloutStage(Stage):
         budget = response_budget(sample.problem, s.max_new_tokens, r.budget_per_item, r.budget_slack)
         sampling = sampling_payload(s, sample.seed, ctx.tokenizer.eos_token_id)
         sampling["max_new_tokens"] = budget
+        check_kv_budget("rollout", len(sample.prompt_ids), budget, ctx.cfg.rollout.engine.kv_budget_tokens,
+                        sample.problem.uid)
         return {
             "payload": {
                 "prompt_ids": sample.prompt_ids,
@@ -199,6 +213,8 @@ class GenRMRewardStage(Stage):
             ids = ctx.encode(self.template.prompt(sample.problem.prompt, sample.response_text))
             eos = ctx.tokenizer.eos_token_id
         s = ctx.cfg.reward.sampling
+        check_kv_budget("reward", len(ids), s.max_new_tokens, ctx.cfg.reward.engine.kv_budget_tokens,
+                        sample.problem.uid)
         sample.data["judge_prompt_tokens"] = len(ids)
         return {
             "payload": {

@@ -91,6 +91,7 @@ def fits(field: str, key: str, prompt: int, budget: int, context: int) -> None:
 
 def run_validate(cfg: PipelineConfig) -> int:
     from pivotrl.engines.prompts import PromptRenderer
+    from pivotrl.pipeline import check_kv_budget
     from pivotrl.tasks import build_task
 
     task = build_task(cfg.task)
@@ -129,6 +130,10 @@ def run_validate(cfg: PipelineConfig) -> int:
     )
     fits("rollout.sampling.max_new_tokens", "policy", longest_rollout, ro, infos["policy"].context())
     fits("reward.sampling.max_new_tokens", "genrm", longest_judge + ro, rw, infos["genrm"].context())
+    longest = max(problems, key=lambda p: len(renderer.rollout_ids(p)))
+    check_kv_budget("rollout", longest_rollout, ro, cfg.rollout.engine.kv_budget_tokens, longest.uid)
+    longest = max(problems, key=lambda p: len(renderer.judge_ids(p, p.answer)))
+    check_kv_budget("reward", longest_judge + ro, rw, cfg.reward.engine.kv_budget_tokens, longest.uid)
     print("ok")
     return 0
 

@@ -23,48 +23,18 @@ import shutil
 import string
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from pivotrl.engines.model import CausalLM
+from pivotrl.model_shapes import MODEL_SIZES
 
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
 PAD_ID, BOS_ID, EOS_ID, UNK_ID = range(4)
 CHARACTERS = "\n" + "".join(chr(c) for c in range(32, 127))
 assert set(string.printable) - set("\t\r\x0b\x0c") <= set(CHARACTERS)
 
-# Qwen2-style shapes (GQA, SwiGLU, RMSNorm, RoPE, q/k/v bias, tied embeddings like Qwen2.5-0.5B).
-# debug ≈ 1.0M parameters (unit tests), small ≈ 12.6M (quickstart, benchmarks).
-MODEL_SIZES: dict[str, dict[str, Any]] = {
-    "debug": dict(
-        hidden_size=128,
-        intermediate_size=512,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-    ),
-    "small": dict(
-        hidden_size=384,
-        intermediate_size=1024,
-        num_hidden_layers=8,
-        num_attention_heads=6,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-    ),
-    # ~64 M parameters: the larger policy of `benchmarks.train_step` (the train barrier at a size where the
-    # optimizer step and the publish, not the round trips, dominate).
-    "medium": dict(
-        hidden_size=768,
-        intermediate_size=2048,
-        num_hidden_layers=10,
-        num_attention_heads=12,
-        num_key_value_heads=4,
-        max_position_embeddings=2048,
-    ),
-}
 ARCHS = ("qwen2", "llama")
 
 # The chat template of the tiny models made for dataset tasks: short role markers (every character is a

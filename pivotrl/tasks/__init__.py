@@ -9,7 +9,7 @@ from pivotrl.errors import UserError
 from pivotrl.tasks.base import ExactMatchTask, Problem, Task, normalize
 from pivotrl.tasks.dataset_task import DatasetStats, DatasetTask, load_dataset_task
 from pivotrl.tasks.datasets import LoadedDataset, load_dataset
-from pivotrl.tasks.synthetic import LengthDistribution, SortTask, SumTask
+from pivotrl.tasks.synthetic import LengthDistribution, SortTask, SumTask, length_distribution
 
 SYNTHETIC = {"sort": SortTask, "sum": SumTask}
 
@@ -26,21 +26,22 @@ __all__ = [
     "Task",
     "build_task",
     "get_task",
+    "length_distribution",
     "load_dataset",
     "load_dataset_task",
     "normalize",
 ]
 
 
-def get_task(name: str, options: dict[str, Any] | None = None) -> Task:
-    """A synthetic task by name; `options` may set the length distribution (median, sigma, min/max_size)."""
+def get_task(name: str, options: dict[str, Any] | None = None, field: str = "task.options") -> Task:
+    """A synthetic task by name; `options` may set the length distribution (median, sigma, min/max_size).
+    A bad option is a `UserError` naming `field` and the option."""
     if name not in SYNTHETIC:
         raise UserError(f"task.name: unknown task {name!r}; choose from {sorted(SYNTHETIC)}")
-    options = dict(options or {})
     try:
-        lengths = LengthDistribution(**options)
-    except TypeError as exc:
-        raise UserError(f"task.options: {exc}") from None
+        lengths = length_distribution(dict(options or {}), field)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
     return SYNTHETIC[name](lengths)
 
 

@@ -14,11 +14,18 @@ character-level tokenizer in `pivotrl.engines.checkpoints` covers.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
 
+from pivotrl.errors import FieldError
 from pivotrl.tasks.base import Problem, normalize
+
+#: The most items a synthetic problem may have: far beyond any context a model here has, and small
+#: enough that sampling a problem can never exhaust memory.
+MAX_ITEMS = 100_000
 
 
 @dataclass(frozen=True)
@@ -31,8 +38,46 @@ class LengthDistribution:
     max_size: int = 64
 
     def draw(self, rng: random.Random) -> int:
-        size = round(math.exp(rng.gauss(math.log(self.median), self.sigma)))
-        return max(self.min_size, min(self.max_size, size))
+        log_size = rng.gauss(math.log(self.median), self.sigma)
+        # clipped in log space first, so that no finite median or sigma can overflow `exp`: past these
+        # margins the rounded size would be clipped to the same bound anyway
+        if log_size > math.log(self.max_size) + 1.0:
+            return self.max_size
+        if log_size < math.log(self.min_size) - 1.0:
+            return self.min_size
+        return max(self.min_size, min(self.max_size, round(math.exp(log_size))))
+
+
+def length_distribution(options: Mapping[str, object], field: str = "task.options") -> LengthDistribution:
+    """The `LengthDistribution` a synthetic task's options describe.
+
+    Raises `FieldError` (a ValueError) naming `field.<option>` for an unknown option, a value that is not a
+    finite number, a median that is not positive, a negative sigma, or sizes outside 1 <= min_size <=
+    max_size <= MAX_ITEMS: a config's options are user input, and each of those would otherwise surface
+    much later as a traceback (a math domain error, an overflow) or a problem too large to sample."""
+    names = [f.name for f in fields(LengthDistribution)]
+    values: dict[str, float | int] = {}
+    for key, value in options.items():
+        if key not in names:
+            raise FieldError(field, key, f"unknown option; choose from {', '.join(names)}")
+        if isinstance(value, str):  # YAML 1.1 reads `1e3` as text; pydantic's number fields accept it too
+            with contextlib.suppress(ValueError):
+                value = float(value)
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            raise FieldError(field, key, f"a finite number is wanted, got {value!r}")
+        if key.endswith("_size"):
+            if value != int(value) or not 1 <= value <= MAX_ITEMS:
+                raise FieldError(field, key, f"a whole number of items from 1 to {MAX_ITEMS}, got {value!r}")
+            value = int(value)
+        elif key == "median" and value <= 0:
+            raise FieldError(field, key, f"must be > 0, got {value!r}")
+        elif key == "sigma" and value < 0:
+            raise FieldError(field, key, f"must be >= 0, got {value!r}")
+        values[key] = value
+    dist = LengthDistribution(**values)  # type: ignore[arg-type]
+    if dist.min_size > dist.max_size:
+        raise FieldError(field, "min_size", f"{dist.min_size} is above max_size {dist.max_size}")
+    return dist
 
 
 class SortTask:
