@@ -257,6 +257,8 @@ def sft(
             )
             loss.backward()
             step_loss += float(loss.detach())
+        if not math.isfinite(step_loss):  # every later step would only spread the NaN through the weights
+            raise FloatingPointError(f"loss {step_loss} at step {step + 1} of {steps}")
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         losses.append(step_loss)
@@ -365,16 +367,21 @@ def train_role(
     else:
         config = build_config(sft_cfg)
         model = new_model(config, sft_cfg.seed)
-    losses = sft(
-        model,
-        data,
-        steps=sft_cfg.steps,
-        batch_size=sft_cfg.batch_size,
-        lr=sft_cfg.lr,
-        seed=sft_cfg.seed,
-        pad_id=tokenizer.pad_token_id,
-        progress=progress,
-    )
+    try:
+        losses = sft(
+            model,
+            data,
+            steps=sft_cfg.steps,
+            batch_size=sft_cfg.batch_size,
+            lr=sft_cfg.lr,
+            seed=sft_cfg.seed,
+            pad_id=tokenizer.pad_token_id,
+            progress=progress,
+        )
+    except FloatingPointError as exc:  # a diverged model is never saved, nor used as a version 0
+        section = "train" if role == "policy" else "reward"
+        raise UserError(f"{section}.sft.lr: the {role} bootstrap diverged ({exc}); lower the learning "
+                        f"rate (now {sft_cfg.lr:g})") from None
     out = Path(out_dir)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)

@@ -96,6 +96,20 @@ def test_sft_learns(tmp_path):
     assert losses[-1] < 0.5 * losses[0]
 
 
+@pytest.mark.parametrize("role, section", [("policy", "train"), ("genrm", "reward")])
+def test_a_diverging_bootstrap_names_its_learning_rate_and_saves_nothing(tmp_path, role, section):
+    """An SFT whose loss turns non-finite stops at that step: one `UserError` naming the learning rate,
+    and no model directory (a NaN model must never become a version 0)."""
+    from pivotrl.errors import UserError
+
+    cfg = tiny_cfg(tmp_path, **{f"{section}.sft.lr": "1e6", f"{section}.sft.steps": 40})
+    out = tmp_path / "out"
+    with pytest.raises(UserError, match=rf"^{section}\.sft\.lr: the {role} bootstrap diverged \(loss nan"):
+        bs.train_role(cfg, role, out)
+    assert not out.exists()
+    assert not list(tmp_path.glob(".out.tmp-*"))
+
+
 def test_sft_length_chunks_give_the_dense_batch_step(tmp_path):
     """Running a batch as length-sorted chunks (less padding) takes the same optimizer step as one dense,
     padded batch: the loss is the same token mean, only the padding is skipped."""
