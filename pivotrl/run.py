@@ -309,6 +309,7 @@ def run_pipeline(
     from pivotrl.grpo import PolicyUpdater, evaluate, held_out_problems
     from pivotrl.malloc import keep_freed_memory
     from pivotrl.pipeline import Pipeline, StageContext, default_stages, run_iterations
+    from pivotrl.validate import check_before_bootstrap
 
     keep_freed_memory()  # the driver's optimizer steps and the scheduler: see pivotrl/malloc.py
     from pivotrl.runtime.cluster import default_workers, driver_threads, open_cluster
@@ -328,6 +329,7 @@ def run_pipeline(
     cfg_json = cfg.model_dump(mode="json")
     with lease.held(run_dir, "run directory"):  # one live driver per run
         task = load_task(cfg, log)  # before the bootstrap: a bad row fails in a second, not after training
+        check_before_bootstrap(cfg, task)  # and so does an overlong one
         log("phase: models (the bootstrap builds missing ones, cached)")
         paths = resolve_models(cfg, log)
         tokenizer = load_tokenizer(paths["policy"])

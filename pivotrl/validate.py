@@ -9,6 +9,8 @@ fits each model's context. Exit 0 when all is well, 2 with one line naming the f
 from __future__ import annotations
 
 import argparse
+import heapq
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -81,17 +83,79 @@ def show(title: str, ids: list[int], tokenizer: Any) -> None:
     print("---")
 
 
-def fits(field: str, key: str, prompt: int, budget: int, context: int) -> None:
+def fits(field: str, key: str, prompt: int, budget: int, context: int, row: str = "") -> None:
     if prompt + budget > context:
         raise UserError(
             f"{field}: prompt {prompt} + {budget} new tokens exceed the {context}-token context "
-            f"of models.{key}"
+            f"of models.{key}{row}"
         )
 
 
-def run_validate(cfg: PipelineConfig) -> int:
-    from pivotrl.engines.prompts import PromptRenderer
+def rows_to_scan(task: Any) -> list[Any]:
+    """The rows whose rendered prompts are longest, without rendering every row: a dataset's
+    `SCAN_ROWS` longest train and held-out rows by characters (the rollout prompt; the judge prompt, which
+    also holds the reference and a response of about its size), so that one overlong row anywhere in the
+    file is found, not only in its first rows; a synthetic task's `SCAN_ROWS` samples."""
+    if getattr(task, "stats", None) is None:
+        return list(task.sample(SCAN_ROWS, seed=0))
+    rows = [*task.train, *task.held_out]
+    picked = {id(p): p for p in heapq.nlargest(SCAN_ROWS, rows, key=lambda p: len(p.prompt))}
+    for p in heapq.nlargest(SCAN_ROWS, rows, key=lambda p: len(p.prompt) + 2 * len(p.answer)):
+        picked.setdefault(id(p), p)
+    return list(picked.values())
+
+
+@dataclass(frozen=True)
+class Lengths:
+    """The longest rendered prompts over the scanned rows, in tokens."""
+
+    rows: int
+    rollout: int
+    judge: int  # with the reference answer as the response
+
+
+def check_lengths(cfg: PipelineConfig, task: Any, infos: dict[str, ModelInfo], renderer: Any) -> Lengths:
+    """Every scanned row's rollout prompt with its budget fits the policy's context and the rollout KV
+    budget, and its judge prompt with a response as long as the rollout budget and the judge's own budget
+    fits the judge's context and the reward KV budget; else a `UserError` naming the field and the row."""
     from pivotrl.pipeline import check_kv_budget
+
+    problems = rows_to_scan(task)
+    ro, rw = cfg.rollout.sampling.max_new_tokens, cfg.reward.sampling.max_new_tokens
+    rollout = max(problems, key=lambda p: len(renderer.rollout_ids(p)))
+    judge = max(problems, key=lambda p: len(renderer.judge_ids(p, p.answer)))
+    n_rollout, n_judge = len(renderer.rollout_ids(rollout)), len(renderer.judge_ids(judge, judge.answer))
+    fits("rollout.sampling.max_new_tokens", "policy", n_rollout, ro, infos["policy"].context(),
+         f" (row uid {rollout.uid})")
+    fits("reward.sampling.max_new_tokens", "genrm", n_judge + ro, rw, infos["genrm"].context(),
+         f" (row uid {judge.uid}, with a response of {ro} tokens)")
+    check_kv_budget("rollout", n_rollout, ro, cfg.rollout.engine.kv_budget_tokens, rollout.uid)
+    check_kv_budget("reward", n_judge + ro, rw, cfg.reward.engine.kv_budget_tokens, judge.uid)
+    return Lengths(len(problems), n_rollout, n_judge)
+
+
+def model_infos(
+    cfg: PipelineConfig, log: Callable[[str], None] = lambda line: None
+) -> tuple[dict[str, ModelInfo], Any]:
+    """Both models' `ModelInfo` (each logged, then its vocabulary checked) and the run's prompt renderer
+    over their tokenizers."""
+    from pivotrl.engines.prompts import PromptRenderer
+
+    infos = {key: model_info(cfg, key) for key in ("policy", "genrm")}
+    for info in infos.values():
+        log(info.line())
+        check_vocab(info)
+    return infos, PromptRenderer.from_config(cfg, infos["policy"].tokenizer, infos["genrm"].tokenizer)
+
+
+def check_before_bootstrap(cfg: PipelineConfig, task: Any) -> Lengths:
+    """What a run checks of its prompts before it trains or loads a model (`pivotrl.run`): the lengths,
+    as `validate` does, so that an overlong row fails the run in seconds, not after the bootstrap."""
+    infos, renderer = model_infos(cfg)
+    return check_lengths(cfg, task, infos, renderer)
+
+
+def run_validate(cfg: PipelineConfig) -> int:
     from pivotrl.tasks import build_task
 
     task = build_task(cfg.task)
@@ -103,16 +167,11 @@ def run_validate(cfg: PipelineConfig) -> int:
             print(f"  skipped: {example}")
         epochs = cfg.run.iterations * n / len(task.train)
         print(f"run: {cfg.run.iterations} iterations × {n} prompts = {epochs:.2f} epochs of the train split")
-        problems = task.train[:SCAN_ROWS]
+        example = task.train[0]
     else:
         print(f"task {cfg.task.name}: synthetic")
-        problems = task.sample(SCAN_ROWS, seed=0)
-    infos = {key: model_info(cfg, key) for key in ("policy", "genrm")}
-    for info in infos.values():
-        print(info.line())
-        check_vocab(info)
-    renderer = PromptRenderer.from_config(cfg, infos["policy"].tokenizer, infos["genrm"].tokenizer)
-    example = problems[0]
+        example = task.sample(1, seed=0)[0]
+    infos, renderer = model_infos(cfg, print)
     rollout = renderer.rollout_ids(example)
     show(f"rollout prompt, uid {example.uid}", rollout, infos["policy"].tokenizer)
     judge = renderer.judge_ids(example, example.answer)
@@ -121,19 +180,12 @@ def run_validate(cfg: PipelineConfig) -> int:
         judge,
         infos["genrm"].tokenizer,
     )
-    longest_rollout = max(len(renderer.rollout_ids(p)) for p in problems)
-    longest_judge = max(len(renderer.judge_ids(p, p.answer)) for p in problems)
     ro, rw = cfg.rollout.sampling.max_new_tokens, cfg.reward.sampling.max_new_tokens
+    lengths = check_lengths(cfg, task, infos, renderer)
     print(
-        f"tokens over {len(problems)} rows: rollout prompt ≤ {longest_rollout} (+{ro} new), "
-        f"judge prompt ≤ {longest_judge} + the response (≤ {ro}) (+{rw} new)"
+        f"tokens over {lengths.rows} rows: rollout prompt ≤ {lengths.rollout} (+{ro} new), "
+        f"judge prompt ≤ {lengths.judge} + the response (≤ {ro}) (+{rw} new)"
     )
-    fits("rollout.sampling.max_new_tokens", "policy", longest_rollout, ro, infos["policy"].context())
-    fits("reward.sampling.max_new_tokens", "genrm", longest_judge + ro, rw, infos["genrm"].context())
-    longest = max(problems, key=lambda p: len(renderer.rollout_ids(p)))
-    check_kv_budget("rollout", longest_rollout, ro, cfg.rollout.engine.kv_budget_tokens, longest.uid)
-    longest = max(problems, key=lambda p: len(renderer.judge_ids(p, p.answer)))
-    check_kv_budget("reward", longest_judge + ro, rw, cfg.reward.engine.kv_budget_tokens, longest.uid)
     print("ok")
     return 0
 

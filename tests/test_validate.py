@@ -100,3 +100,25 @@ def test_a_bad_config_is_one_line_and_exit_2(tmp_path, checkpoint, capsys, chang
     argv = [*real_job(tmp_path, checkpoint, data), *[c for c in change if c != "BADROW"]]
     rc, _, err = run(capsys, *argv)
     assert rc == 2 and len(err) == 1 and message in err[0], err
+
+
+def test_an_overlong_row_anywhere_in_the_file_fails_validate_and_the_run_before_any_model(
+    tmp_path, checkpoint, capsys
+):
+    """The rows scanned for the longest prompts are the longest rows, not the first ones: a prompt over the
+    policy's context in the last row of a file longer than `SCAN_ROWS` is found by `validate`, and by
+    `submit` before its bootstrap or model load (exit 2, one line naming the row)."""
+    from pivotrl.validate import SCAN_ROWS
+
+    long_row = json.dumps({"uid": "too-long", "prompt": "x" * 40_000, "answer": "1"})
+    data = tmp_path / "d.jsonl"
+    rows = [json.dumps({"uid": f"u{i}", "prompt": f"What is {i} + 2?", "answer": str(i + 2)})
+            for i in range(SCAN_ROWS + 50)]
+    data.write_text("\n".join([*rows, long_row]) + "\n")
+    job = real_job(tmp_path, checkpoint, data)
+    rc, _, err = run(capsys, *job)
+    assert rc == 2 and len(err) == 1 and "exceed the" in err[0] and "(row uid too-long" in err[0], err
+    assert main(["submit", *job]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "(row uid too-long" in err[-1] and "Traceback" not in "\n".join(err), err
+    assert not (tmp_path / "models").exists()
