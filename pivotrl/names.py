@@ -35,6 +35,23 @@ def check_storage_root(path: object) -> str:
     return path
 
 
+def writable_storage_root(path: str) -> None:
+    """Create the storage root if it is missing and check that this process may write in it, else a
+    `UserError` naming `run.storage_root`. The commands that write (submit, bootstrap) call it before any
+    work, so a root that cannot be created fails in a second, not when the first model or run directory is
+    saved (a bootstrap trained for minutes first). Never at config load: `validate` creates nothing."""
+    import os
+
+    from pivotrl.errors import UserError
+
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"run.storage_root: cannot create {path} ({exc.strerror or exc})") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise UserError(f"run.storage_root: {path} is not writable by this user")
+
+
 def check_output(output: object, inputs: list[object], what: str) -> None:
     """Refuse an output path that is one of the command's inputs (`simulate X.yaml --json X.yaml` would
     replace the user's config with the report). Compared after resolving links and relative parts."""

@@ -308,6 +308,7 @@ def run_pipeline(
     from pivotrl.gps import ParameterStore
     from pivotrl.grpo import PolicyUpdater, evaluate, held_out_problems
     from pivotrl.malloc import keep_freed_memory
+    from pivotrl.names import writable_storage_root
     from pivotrl.pipeline import Pipeline, StageContext, default_stages, run_iterations
     from pivotrl.validate import check_before_bootstrap
 
@@ -320,6 +321,7 @@ def run_pipeline(
     mode = mode or cfg.scheduler.mode
     t_start = time.monotonic()
     resumed = checkpoint.resume_point(cfg, resume) if resume is not None else None
+    writable_storage_root(cfg.run.storage_root)  # after a resume's own check: a bad --resume creates nothing
     if resumed is not None:
         run_id, run_dir = resumed.ckpt.run_id, resumed.run_dir
         log(resumed.describe(cfg.run.iterations))  # the first line a resumed run prints

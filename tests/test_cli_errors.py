@@ -33,3 +33,17 @@ def test_resume_of_a_run_that_is_not_there_names_it(capsys, tmp_path, monkeypatc
     err = capsys.readouterr().err
     assert "--resume nope: no run nope" in err and err.count("\n") == 1
     assert not (tmp_path / "st").exists()
+
+
+@pytest.mark.parametrize("command", ["submit", "bootstrap"])
+def test_a_storage_root_that_cannot_be_created_fails_before_any_work(command, capsys, tmp_path, monkeypatch):
+    """`submit` and `bootstrap` create the storage root first: one that cannot be (here under a file) is one
+    line naming `run.storage_root`, before a bootstrap trains or a run starts (it was a traceback after
+    minutes of training, or at the run directory's creation)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "afile").write_text("")
+    (tmp_path / "c.yaml").write_text(f"run: {{storage_root: {tmp_path / 'afile' / 'root'}}}\n")
+    assert cli.main([command, "c.yaml"]) == 2
+    err = capsys.readouterr().err
+    assert "run.storage_root: cannot create" in err and err.count("\n") == 1 and "Traceback" not in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "c.yaml"]

@@ -39,6 +39,7 @@ from pivotrl.engines.kernels import ISAS
 from pivotrl.engines.sft_progress import Board, reporter
 from pivotrl.errors import UserError
 from pivotrl.machine import usable_cores
+from pivotrl.names import writable_storage_root
 from pivotrl.tasks import Problem, Task, get_task, normalize
 
 # ----------------------------------------------------------------------------------------------------
@@ -462,6 +463,7 @@ def ensure_bootstrap(
     todo = [r for r in ROLES if force or not (dirs[r] / "bootstrap.json").is_file()]
     stats: dict[str, Any] = {}
     if todo:
+        writable_storage_root(cfg.run.storage_root)  # before minutes of training, not at the save
         log(f"bootstrap: training {', '.join(todo)} (cache: {dirs[todo[0]].parent})")
         board = board if board is not None else Board(todo)
         jobs = [(cfg.model_dump(), r, str(dirs[r])) for r in todo]
