@@ -137,3 +137,20 @@ def test_a_run_whose_prompt_and_budget_exceed_the_kv_budget_stops_in_one_line(ca
     err = capsys.readouterr().err
     assert "rollout.engine.kv_budget_tokens: 16 tokens cannot hold one sequence" in err, err
     assert err.count("\n") == 1 and "Traceback" not in err
+
+
+@settings(max_examples=200, derandomize=True, deadline=None)
+@given(median=st.floats(1e-3, 1e3), sigma=st.floats(0, 5), low=st.integers(1, 20), span=st.integers(0, 80),
+       seed=st.integers(0, 10**6))
+def test_the_clipped_draw_is_the_plain_formula_where_that_does_not_overflow(median, sigma, low, span, seed):
+    """Clipping in log space changes no size that `max(min, min(max, round(exp(x))))` gives: the task
+    samples the same problems (and the bootstrap's cached models stay valid)."""
+    import math
+
+    from pivotrl.tasks.synthetic import LengthDistribution
+
+    dist = LengthDistribution(median, sigma, low, low + span)
+    ours, plain = random.Random(seed), random.Random(seed)
+    for _ in range(200):
+        x = plain.gauss(math.log(median), sigma)
+        assert dist.draw(ours) == max(low, min(low + span, round(math.exp(x))))
