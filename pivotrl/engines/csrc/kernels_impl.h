@@ -307,17 +307,16 @@ void scores_of(const float* q, const T* kb, int64_t n, int64_t G, int64_t D, flo
 }
 
 #if defined(PIVOTRL_AVX512)
-// acc[GN, C*16] = p[GN, n] @ v[n, C*16]: GN * C accumulators in registers (both are constants), each row of
-// v loaded once for all GN queries.
+// acc[GN, cols c0..c0+C*16) = p[GN, n] @ v[n, D] over those columns: GN * C accumulators in registers (both
+// are constants), each 16-column piece of a row of v loaded once for all GN queries.
 template <typename T, int C, int GN>
-void weighted_sum_block(const float* p, const T* v, int64_t n, float* acc, Ahead& ahead) {
-  constexpr int64_t D = C * 16;
+void weighted_sum_block(const float* p, const T* v, int64_t n, int64_t D, int64_t c0, float* acc, Ahead& ahead) {
   __m512 a[GN][C];
   for (int j = 0; j < GN; ++j)
     for (int c = 0; c < C; ++c) a[j][c] = _mm512_setzero_ps();
   for (int64_t s = 0; s < n; ++s) {
     __m512 row[C];
-    for (int c = 0; c < C; ++c) row[c] = load16(v + s * D + c * 16);
+    for (int c = 0; c < C; ++c) row[c] = load16(v + s * D + c0 + c * 16);
     ahead.step();
     ahead.step();
     for (int j = 0; j < GN; ++j) {
@@ -326,19 +325,21 @@ void weighted_sum_block(const float* p, const T* v, int64_t n, float* acc, Ahead
     }
   }
   for (int j = 0; j < GN; ++j)
-    for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + j * D + c * 16, a[j][c]);
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + j * D + c0 + c * 16, a[j][c]);
 }
 
 template <typename T, int C>
-void weighted_sum_vec(const float* p, const T* v, int64_t n, int64_t G, float* acc, Ahead& ahead) {
-  constexpr int64_t D = C * 16;
+void weighted_sum_cols(const float* p, const T* v, int64_t n, int64_t G, int64_t D, int64_t c0, float* acc,
+                       Ahead& ahead) {
   constexpr int most = C <= 4 ? 4 : 2;  // keep GN * C accumulators + C rows within the 32 registers
   for (int64_t g0 = 0; g0 < G; g0 += most) {
     const int64_t gn = G - g0 < most ? G - g0 : most;
-    if (gn == 4) weighted_sum_block<T, C, 4>(p + g0 * n, v, n, acc + g0 * D, ahead);
-    else if (gn == 3) weighted_sum_block<T, C, 3>(p + g0 * n, v, n, acc + g0 * D, ahead);
-    else if (gn == 2) weighted_sum_block<T, C, 2>(p + g0 * n, v, n, acc + g0 * D, ahead);
-    else weighted_sum_block<T, C, 1>(p + g0 * n, v, n, acc + g0 * D, ahead);
+    const float* pg = p + g0 * n;
+    float* ag = acc + g0 * D;
+    if (gn == 4) weighted_sum_block<T, C, (most >= 4 ? 4 : 1)>(pg, v, n, D, c0, ag, ahead);
+    else if (gn == 3) weighted_sum_block<T, C, (most >= 3 ? 3 : 1)>(pg, v, n, D, c0, ag, ahead);
+    else if (gn == 2) weighted_sum_block<T, C, 2>(pg, v, n, D, c0, ag, ahead);
+    else weighted_sum_block<T, C, 1>(pg, v, n, D, c0, ag, ahead);
   }
 }
 #elif defined(PIVOTRL_AVX2)
@@ -382,9 +383,20 @@ void weighted_sum_cols(const float* p, const T* v, int64_t n, int64_t G, int64_t
 template <typename T>
 void weighted_sum(const float* p, const T* v, int64_t n, int64_t G, int64_t D, float* acc, Ahead& ahead) {
 #if defined(PIVOTRL_AVX512)
-  if (D == 64) return weighted_sum_vec<T, 4>(p, v, n, G, acc, ahead);
-  if (D == 128) return weighted_sum_vec<T, 8>(p, v, n, G, acc, ahead);
-  if (D == 32) return weighted_sum_vec<T, 2>(p, v, n, G, acc, ahead);
+  if (D % 16 == 0) {  // column groups of up to 128 (8 vectors), then what is left in one group
+    int64_t c0 = 0;
+    for (; c0 + 128 <= D; c0 += 128) weighted_sum_cols<T, 8>(p, v, n, G, D, c0, acc, ahead);
+    switch ((D - c0) / 16) {
+      case 1: return weighted_sum_cols<T, 1>(p, v, n, G, D, c0, acc, ahead);
+      case 2: return weighted_sum_cols<T, 2>(p, v, n, G, D, c0, acc, ahead);
+      case 3: return weighted_sum_cols<T, 3>(p, v, n, G, D, c0, acc, ahead);
+      case 4: return weighted_sum_cols<T, 4>(p, v, n, G, D, c0, acc, ahead);
+      case 5: return weighted_sum_cols<T, 5>(p, v, n, G, D, c0, acc, ahead);
+      case 6: return weighted_sum_cols<T, 6>(p, v, n, G, D, c0, acc, ahead);
+      case 7: return weighted_sum_cols<T, 7>(p, v, n, G, D, c0, acc, ahead);
+      default: return;  // D was a multiple of 128
+    }
+  }
 #elif defined(PIVOTRL_AVX2)
   if (D % 32 == 0) {  // column groups of 32 (4 vectors), up to 3 queries each
     for (int64_t c0 = 0; c0 < D; c0 += 32) weighted_sum_cols<T, 4>(p, v, n, G, D, c0, acc, ahead);
@@ -405,15 +417,16 @@ template <typename T>
 void rope(const T* x, const float* cos, const float* sin, int64_t D, float scale, float* out) {
   const int64_t half = D / 2;
 #if defined(PIVOTRL_AVX512)
-  if (half % 16 == 0) {
+  {  // any half: the last 16 lanes masked (a head of 16, half 8, is one masked pass)
     const __m512 sc = _mm512_set1_ps(scale);
     for (int64_t d = 0; d < half; d += 16) {
-      const __m512 lo = load16(x + d), hi = load16(x + d + half);
-      _mm512_storeu_ps(out + d, _mm512_mul_ps(_mm512_sub_ps(_mm512_mul_ps(lo, _mm512_loadu_ps(cos + d)),
-                                                            _mm512_mul_ps(hi, _mm512_loadu_ps(sin + d))), sc));
-      _mm512_storeu_ps(out + d + half,
-                       _mm512_mul_ps(_mm512_add_ps(_mm512_mul_ps(hi, _mm512_loadu_ps(cos + d + half)),
-                                                   _mm512_mul_ps(lo, _mm512_loadu_ps(sin + d + half))), sc));
+      const __mmask16 m = tail_mask(half - d);
+      const __m512 lo = masked_load16(x + d, m), hi = masked_load16(x + d + half, m);
+      const __m512 c_lo = _mm512_maskz_loadu_ps(m, cos + d), s_lo = _mm512_maskz_loadu_ps(m, sin + d);
+      const __m512 c_hi = _mm512_maskz_loadu_ps(m, cos + d + half), s_hi = _mm512_maskz_loadu_ps(m, sin + d + half);
+      _mm512_mask_storeu_ps(out + d, m, _mm512_mul_ps(_mm512_sub_ps(_mm512_mul_ps(lo, c_lo), _mm512_mul_ps(hi, s_lo)), sc));
+      _mm512_mask_storeu_ps(out + d + half, m,
+                            _mm512_mul_ps(_mm512_add_ps(_mm512_mul_ps(hi, c_hi), _mm512_mul_ps(lo, s_hi)), sc));
     }
     return;
   }
