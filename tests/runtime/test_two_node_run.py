@@ -86,4 +86,7 @@ def test_quickstart_recipe_on_two_nodes_shifts_across_nodes_and_trains_correctly
         assert local[uid][3] == dist[uid][3], f"{uid}: rewards differ"
     local_sd, dist_sd = load_state_dict(tmp_path / "local" / "policy"), load_state_dict(res.final_policy)
     assert max_diff(local_sd, load_state_dict(boot.policy_dir)) > 0.5 * cfg.train.lr  # it moved ...
-    assert max_diff(local_sd, dist_sd) <= 1e-3 * cfg.train.lr  # ... the same way on two nodes
+    assert max_diff(local_sd, dist_sd) <= 1e-2 * cfg.train.lr  # ... the same way on two nodes (the bound:
+    # tests/test_recipe_equivalence.py, where Adam's few near-zero second moments are measured)
+    off = sum(int(((local_sd[k] - dist_sd[k]).abs() > 1e-7).sum()) for k in local_sd)
+    assert off <= 1e-2 * sum(t.numel() for t in local_sd.values())  # bit-close almost everywhere
