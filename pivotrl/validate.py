@@ -122,9 +122,8 @@ def check_lengths(cfg: PipelineConfig, task: Any, infos: dict[str, ModelInfo], r
 
     problems = rows_to_scan(task)
     ro, rw = cfg.rollout.sampling.max_new_tokens, cfg.reward.sampling.max_new_tokens
-    rollout = max(problems, key=lambda p: len(renderer.rollout_ids(p)))
-    judge = max(problems, key=lambda p: len(renderer.judge_ids(p, p.answer)))
-    n_rollout, n_judge = len(renderer.rollout_ids(rollout)), len(renderer.judge_ids(judge, judge.answer))
+    n_rollout, rollout = max(((len(renderer.rollout_ids(p)), p) for p in problems), key=lambda t: t[0])
+    n_judge, judge = max(((len(renderer.judge_ids(p, p.answer)), p) for p in problems), key=lambda t: t[0])
     fits("rollout.sampling.max_new_tokens", "policy", n_rollout, ro, infos["policy"].context(),
          f" (row uid {rollout.uid})")
     fits("reward.sampling.max_new_tokens", "genrm", n_judge + ro, rw, infos["genrm"].context(),

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from pivotrl.config import Section, apply_overrides, read_yaml, validate
+from pivotrl.config import MAX_GROUP, MAX_PROMPTS, Section, apply_overrides, read_yaml, validate
 from pivotrl.errors import UserError
 
 ROLES = ("rollout", "reward", "train")
@@ -55,8 +55,8 @@ class LengthDist(Section):
 
 class WorkloadConfig(Section):
     # the simulator holds every sequence of an iteration in memory (`SimConfig` bounds their product)
-    prompts_per_iteration: int = Field(512, ge=1, le=1_000_000)
-    group_size: int = Field(16, ge=1, le=4096)
+    prompts_per_iteration: int = Field(512, ge=1, le=MAX_PROMPTS)
+    group_size: int = Field(16, ge=1, le=MAX_GROUP)
     iterations: int = Field(2, ge=1)
     prompt_len: LengthDist = LengthDist(median=256, sigma=0.5, max=4096)
     response_len: LengthDist = LengthDist(median=1024, sigma=0.8, max=8192)

@@ -33,13 +33,13 @@ __all__ = [
 ]
 
 
-def get_task(name: str, options: dict[str, Any] | None = None, field: str = "task.options") -> Task:
+def get_task(name: str, options: dict[str, Any] | None = None) -> Task:
     """A synthetic task by name; `options` may set the length distribution (median, sigma, min/max_size).
-    A bad option is a `UserError` naming `field` and the option."""
+    A bad option is a `UserError` naming it (`task.options.<option>`)."""
     if name not in SYNTHETIC:
         raise UserError(f"task.name: unknown task {name!r}; choose from {sorted(SYNTHETIC)}")
     try:
-        lengths = length_distribution(dict(options or {}), field)
+        lengths = length_distribution(dict(options or {}))
     except ValueError as exc:
         raise UserError(str(exc)) from None
     return SYNTHETIC[name](lengths)
