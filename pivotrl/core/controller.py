@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from pivotrl.core import dispatcher
+from pivotrl.core import dispatcher, tail_migration
 from pivotrl.core.decision import Assignment, Decision, DeviceMove, PlanReasoning, ReplicaShift
 from pivotrl.core.iteration import IterationMeter, IterationProfile
 from pivotrl.core.modes import make_policy
@@ -211,8 +211,24 @@ class Controller:
         if last is not None:
             self.last_reasoning = last.reasoning
         if plan is None or (not plan.dissolve and not plan.form):
-            return None
+            return self._migrate_tail(now)
         return self._execute(plan, now)
+
+    def _migrate_tail(self, now: float) -> Decision | None:
+        """With no shift this tick: the policy's tail migration (`pivotrl.core.tail_migration`), as one
+        decision of aborts and dispatches."""
+        residuals = self.policy.tail_residuals()
+        if residuals is None:
+            return None
+        aborts: dict[str, list[str]] = {}
+        assignments: list[Assignment] = []
+        for role in self.state.roles:
+            for m in tail_migration.tail_moves(self.state, role, residuals.get(role)):
+                aborts.setdefault(m.donor, []).append(m.seq_id)
+                assignments.append(Assignment(m.seq_id, m.taker))
+        if not assignments:
+            return None
+        return self._record(now, "tail:idle-replica", "migrate", aborts=aborts, dispatch=assignments)
 
     def abort(self, seq_ids: Iterable[str], now: float) -> Decision:
         """An operator's (or a test's) abort: these running sequences wait again at the head of their

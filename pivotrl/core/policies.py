@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pivotrl.core.decision import PlanReasoning
 from pivotrl.core.shiftcost import ShiftCostModel
 from pivotrl.core.state import ClusterState
+from pivotrl.core.tail_migration import Residual
 from pivotrl.core.types import PIPELINE, ReplicaState, Role
 
 
@@ -52,6 +53,14 @@ class Policy:
         """A new iteration begins (`state.plan` is set); `last` is the `iteration.IterationProfile` core
         measured of the previous one (None for the first). Only a policy that plans whole iterations
         (`Shiftable`) uses it."""
+
+    def tail_residuals(self) -> Mapping[Role, Residual | None] | None:
+        """Whether this policy moves a generation role's long-running sequences onto its idle replicas
+        (`pivotrl.core.tail_migration`), and the length profile per role that prices the moves; None: it
+        does not. Only `Shiftable` does: the static and colocated baselines place work as a static system
+        does.
+        """
+        return None
 
     def iteration_mode(self) -> tuple[str, float]:
         """(plan this iteration runs, its predicted makespan in seconds; 0 when the policy predicts none),

@@ -14,10 +14,11 @@ import math
 from collections.abc import Mapping
 
 from pivotrl.core import planner
-from pivotrl.core.iteration import IterationChoice, IterationProfile, choose
+from pivotrl.core.iteration import IterationChoice, IterationProfile, choose, stages
 from pivotrl.core.policies import Colocated, Policy, ShiftPlan
 from pivotrl.core.shiftcost import ShiftCostModel
 from pivotrl.core.state import ClusterState
+from pivotrl.core.tail_migration import Residual
 from pivotrl.core.types import PIPELINE, Replica, ReplicaState, Role
 
 
@@ -39,6 +40,7 @@ class Shiftable(Policy):
         self._colocated = Colocated()
         self._starting = False  # the iteration began and its first placement is not decided yet
         self.loans: dict[Role, int] = {}  # devices an opening split lent the first stage, by home role
+        self.residuals: dict[Role, Residual] = {}  # the lengths per generation role (`tail_migration`)
 
     @property
     def mode(self) -> str:
@@ -49,6 +51,9 @@ class Shiftable(Policy):
     ) -> None:
         profile = last if isinstance(last, IterationProfile) else None
         self.choice = choose(state, costs, profile)
+        st = stages(state, costs, profile)
+        self.residuals = {} if st is None else {
+            r: Residual.from_points(*s.points()) for r, s in st.items() if s.decode}
         # An iteration's opening moves the whole allocation: only where no older iteration still has work
         # downstream (with staleness its judgements and training run on; moving their devices would abort
         # them), otherwise the tick planner shares the devices between the iterations.
@@ -56,6 +61,9 @@ class Shiftable(Policy):
         self.loans = {}
         if self.choice is not None:
             self.history.append(self.choice)
+
+    def tail_residuals(self) -> Mapping[Role, Residual | None] | None:
+        return self.residuals
 
     def iteration_mode(self) -> tuple[str, float]:
         if self.choice is None:
