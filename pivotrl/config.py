@@ -21,6 +21,7 @@ from pivotrl.config_base import SafeName, Section, StorageRoot
 from pivotrl.config_judge import JudgeConfig, RegexVerdict, ScoreVerdict
 from pivotrl.errors import FieldError, UserError, shown_key
 from pivotrl.model_shapes import check_shape
+from pivotrl.tasks.datasets import dataset_format_error
 from pivotrl.tasks.synthetic import length_distribution
 
 __all__ = ["JudgeConfig", "PipelineConfig", "RegexVerdict", "ScoreVerdict", "Section"]
@@ -123,6 +124,11 @@ class TaskConfig(Section):
             raise ValueError("[eval_fraction] set task.eval_dataset or task.eval_fraction, not both")
         elif self.options:
             raise ValueError("[options] synthetic tasks only (a dataset task has no options)")
+        for name, jsonl_only in (("dataset", self.generate is not None), ("eval_dataset", False)):
+            path = getattr(self, name)
+            why = None if path is None else dataset_format_error(path, jsonl_only)
+            if why is not None:
+                raise ValueError(f"[{name}] {path!r}: {why}")
         return self
 
 

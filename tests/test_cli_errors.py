@@ -47,3 +47,22 @@ def test_a_storage_root_that_cannot_be_created_fails_before_any_work(command, ca
     err = capsys.readouterr().err
     assert "run.storage_root: cannot create" in err and err.count("\n") == 1 and "Traceback" not in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "c.yaml"]
+
+
+@pytest.mark.parametrize("command", ["validate", "submit", "bootstrap"])
+@pytest.mark.parametrize("field, name", [("dataset", "yes"), ("dataset", "rows.parquet"),
+                                         ("dataset", "a\\nb"), ("eval_dataset", "held.txt")])
+def test_a_dataset_in_no_known_format_is_refused_before_a_generator_writes_it(
+        command, field, name, capsys, tmp_path, monkeypatch):
+    """A generated dataset is JSONL, and any dataset is JSONL or parquet: a name that is neither fails when
+    the config loads (a fuzzed `task.dataset: yes` had the generator write 425 KB to ./yes, and then the
+    loader refused the suffix)."""
+    monkeypatch.chdir(tmp_path)
+    extra = "eval_fraction: 0.0, " if field == "eval_dataset" else ""
+    task = (f'{{name: arith, dataset: "rows.jsonl", {field}: "{name}", {extra}generate: arith-word-problems}}'
+            if field != "dataset" else f'{{name: arith, dataset: "{name}", generate: arith-word-problems}}')
+    (tmp_path / "c.yaml").write_text(f"run: {{storage_root: {tmp_path / 'st'}}}\ntask: {task}\n")
+    assert cli.main([command, "c.yaml"]) == 2
+    err = capsys.readouterr().err
+    assert f"task.{field}" in err and err.count("\n") == 1 and "Traceback" not in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.yaml"]  # nothing generated, no storage root

@@ -10,6 +10,7 @@ dimension, a response budget above the KV cache a failed admission)."""
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -154,3 +155,29 @@ def test_the_clipped_draw_is_the_plain_formula_where_that_does_not_overflow(medi
     for _ in range(200):
         x = plain.gauss(math.log(median), sigma)
         assert dist.draw(ours) == max(low, min(low + span, round(math.exp(x))))
+
+
+@settings(max_examples=200, deadline=None)
+@given(stem=st.text(min_size=1, max_size=12).filter(lambda s: "/" not in s and "\x00" not in s),
+       suffix=st.sampled_from(["", ".jsonl", ".JSONL", ".json", ".parquet", ".pq", ".csv", ".txt",
+                               ".jsonl.gz"]),
+       generate=st.booleans())
+def test_a_dataset_name_is_accepted_only_in_a_format_the_loader_reads(stem: str, suffix: str,
+                                                                       generate: bool) -> None:
+    """Any name: accepted only where the loader will read it (and a generator writes JSONL), else one
+    error naming `task.dataset`, raised by the config before anything is read or written."""
+    from pydantic import ValidationError
+
+    from pivotrl.config import TaskConfig
+    from pivotrl.tasks.datasets import DATASET_SUFFIXES, JSONL_SUFFIXES
+
+    name = stem + suffix
+    allowed = JSONL_SUFFIXES if generate else DATASET_SUFFIXES
+    fields = {"name": "arith", "dataset": name, "generate": "arith-word-problems" if generate else None}
+    try:
+        TaskConfig(**fields)
+    except ValidationError as exc:
+        assert Path(name).suffix.lower() not in allowed, (name, exc)
+        assert "[dataset]" in str(exc)
+    else:
+        assert Path(name).suffix.lower() in allowed, name

@@ -70,14 +70,29 @@ def _parquet_rows(path: Path):
         yield f"{path}: row {i}", i, row
 
 
+#: File suffixes of the dataset formats `load_dataset` reads (JSONL first: what a generator writes).
+JSONL_SUFFIXES = (".jsonl", ".json")
+DATASET_SUFFIXES = (*JSONL_SUFFIXES, ".parquet", ".pq")
+
+
+def dataset_format_error(path: str, jsonl_only: bool = False) -> str | None:
+    """Why `path` names no dataset format this loader reads (None: it does), from its suffix alone, so that
+    a config is refused before any file is read or written."""
+    allowed = JSONL_SUFFIXES if jsonl_only else DATASET_SUFFIXES
+    if Path(path).suffix.lower() in allowed:
+        return None
+    return ("a generated dataset is JSONL: name the file *.jsonl" if jsonl_only
+            else "unknown dataset format (use .jsonl or .parquet)")
+
+
 def load_dataset(path: str | Path, on_bad_row: Literal["error", "skip"] = "error") -> LoadedDataset:
     p = Path(path)
     if not p.is_file():
         raise UserError(f"{p}: dataset file not found")
     suffix = p.suffix.lower()
-    if suffix in (".jsonl", ".json"):
+    if suffix in JSONL_SUFFIXES:
         rows = _jsonl_rows(p)
-    elif suffix in (".parquet", ".pq"):
+    elif suffix in DATASET_SUFFIXES:
         rows = _parquet_rows(p)
     else:
         raise UserError(f"{p}: unknown dataset format (use .jsonl or .parquet)")
