@@ -454,8 +454,29 @@ def _format_error(source: str, exc: ValidationError) -> str:
     return f"{source}: {field}: {msg}{got_txt}{more}"
 
 
+def not_text(data: Any, at: tuple[str, ...] = ()) -> tuple[str, int] | None:
+    """The first key or string value of `data` that is not encodable text (a lone surrogate, which YAML's
+    and JSON's escapes can write: no tokenizer, hash or file takes it), as (dotted key, character index)."""
+    items: Any = data.items() if isinstance(data, dict) else enumerate(data) if isinstance(data, list) else ()
+    for key, value in items:
+        here = (*at, str(key))
+        for text in (key, value):
+            if isinstance(text, str):
+                try:
+                    text.encode("utf-8")
+                except UnicodeEncodeError as exc:
+                    return ".".join(here), exc.start
+        found = not_text(value, here)
+        if found is not None:
+            return found
+    return None
+
+
 def validate(data: dict[str, Any], cls: type[M], source: str = "<config>") -> M:
     """Validate a mapping into `cls`, or raise a one-line `UserError` naming `source` and the field."""
+    bad = not_text(data)
+    if bad is not None:
+        raise UserError(f"{source}: {shown_key(bad[0])}: not text (a lone surrogate at character {bad[1]})")
     try:
         return cls.model_validate(data)
     except ValidationError as exc:

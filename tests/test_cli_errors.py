@@ -66,3 +66,45 @@ def test_a_dataset_in_no_known_format_is_refused_before_a_generator_writes_it(
     err = capsys.readouterr().err
     assert f"task.{field}" in err and err.count("\n") == 1 and "Traceback" not in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.yaml"]  # nothing generated, no storage root
+
+
+@pytest.mark.parametrize("command", ["validate", "submit", "bootstrap"])
+@pytest.mark.parametrize("yaml_text, field", [
+    ('rollout: {system_prompt: "End \\ud800 here"}', "rollout.system_prompt"),
+    ('reward: {judge: {template: "{prompt} \\udfff {response}"}}', "reward.judge.template"),
+    ('"ke\\ud800y": 1', "'ke\\ud800y'"),
+])
+def test_a_lone_surrogate_in_a_config_is_one_line_naming_its_field(command, yaml_text, field, capsys,
+                                                                   tmp_path, monkeypatch):
+    """YAML's escapes can write a lone surrogate, a str no tokenizer, hash or file encodes: it was a
+    tokenizer's traceback in `validate`."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "c.yaml").write_text(f"run: {{storage_root: {tmp_path / 'st'}}}\n{yaml_text}\n")
+    assert cli.main([command, "c.yaml"]) == 2
+    err = capsys.readouterr().err
+    assert f"{field}: not text (a lone surrogate" in err and err.count("\n") == 1 and "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.yaml"]
+
+
+@pytest.mark.parametrize("on_bad_row", ["error", "skip"])
+def test_a_dataset_row_with_a_lone_surrogate_is_a_bad_row(on_bad_row, capsys, tmp_path, monkeypatch):
+    """JSON's `\\ud800` escape is valid JSON and not text: the row is bad (file:line, or skipped), where it
+    was a tokenizer's traceback."""
+    import json
+
+    monkeypatch.chdir(tmp_path)
+    rows = [{"prompt": f"What is {i}+1?", "answer": str(i + 1), "uid": f"u{i}"} for i in range(40)]
+    rows[3]["prompt"] = "What is \ud800 3+1?"
+    rows[5]["uid"] = "u\udfff"
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "c.yaml").write_text(
+        f"run: {{storage_root: {tmp_path / 'st'}}}\n"
+        "task: {name: arith, dataset: d.jsonl, eval_fraction: 0.1, verifier: math,"
+        f" on_bad_row: {on_bad_row}, prompts_per_iteration: 4, group_size: 2, eval_prompts: 4}}\n")
+    code = cli.main(["validate", "c.yaml"])
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    if on_bad_row == "error":
+        assert code == 2 and "d.jsonl:4: field 'prompt' is not text" in err and err.count("\n") == 1, err
+    else:
+        assert code == 0, err

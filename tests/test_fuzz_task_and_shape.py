@@ -181,3 +181,32 @@ def test_a_dataset_name_is_accepted_only_in_a_format_the_loader_reads(stem: str,
         assert "[dataset]" in str(exc)
     else:
         assert Path(name).suffix.lower() in allowed, name
+
+
+_text = st.text(alphabet=st.characters(codec=None, categories=("L", "N", "P", "Zs", "Cs")), max_size=6)
+_tree = st.recursive(st.one_of(_text, st.integers(), st.none()),
+                     lambda kids: st.one_of(st.lists(kids, max_size=3),
+                                            st.dictionaries(_text, kids, max_size=3)),
+                     max_leaves=12)
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.dictionaries(_text, _tree, max_size=4))
+def test_not_text_finds_a_lone_surrogate_anywhere_and_only_there(data: dict) -> None:
+    """Whatever the nesting: None exactly when every key and string encodes as UTF-8; otherwise the first
+    such key or string in order, named by its dotted path and the index of its first surrogate."""
+    from pivotrl.config import not_text
+
+    def bad(x, at=()):  # (dotted path, first surrogate's index) of every key or string that fails, in order
+        items = x.items() if isinstance(x, dict) else enumerate(x) if isinstance(x, list) else ()
+        for k, v in items:
+            here = (*at, str(k))
+            for t in (k, v):
+                if isinstance(t, str):
+                    hits = [i for i, c in enumerate(t) if 0xD800 <= ord(c) <= 0xDFFF]
+                    if hits:
+                        yield ".".join(here), hits[0]
+            yield from bad(v, here)
+
+    expected = next(bad(data), None)
+    assert not_text(data) == expected

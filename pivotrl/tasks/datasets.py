@@ -34,6 +34,12 @@ def _row_problem(row: Any, where: str, default_uid: str) -> Problem:
     uid = row.get("uid", default_uid)
     if uid is None or isinstance(uid, (dict, list)) or str(uid).strip() == "":
         raise ValueError(f"{where}: field 'uid' must be a non-empty string or number")
+    for key, value in (("prompt", row["prompt"]), ("answer", row["answer"]), ("uid", str(uid))):
+        try:  # JSON may escape a lone surrogate (\ud800): a str no tokenizer, hash or file can encode
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"{where}: field '{key}' is not text (a lone surrogate at character "
+                             f"{exc.start})") from None
     meta = {k: v for k, v in row.items() if k not in ("prompt", "answer", "uid")}
     return Problem(uid=str(uid), prompt=row["prompt"], answer=row["answer"], meta=meta)
 
