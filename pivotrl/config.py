@@ -19,7 +19,7 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from pivotrl.config_base import SafeName, Section, StorageRoot
 from pivotrl.config_judge import JudgeConfig, RegexVerdict, ScoreVerdict
-from pivotrl.errors import FieldError, UserError, shown_key
+from pivotrl.errors import FieldError, UserError, not_text, shown_key
 from pivotrl.model_shapes import check_shape
 from pivotrl.tasks.datasets import dataset_format_error
 from pivotrl.tasks.synthetic import length_distribution
@@ -452,24 +452,6 @@ def _format_error(source: str, exc: ValidationError) -> str:
     got_txt = "" if quiet else f" (got {got!r})"
     more = f" [+{len(exc.errors()) - 1} more]" if len(exc.errors()) > 1 else ""
     return f"{source}: {field}: {msg}{got_txt}{more}"
-
-
-def not_text(data: Any, at: tuple[str, ...] = ()) -> tuple[str, int] | None:
-    """The first key or string value of `data` that is not encodable text (a lone surrogate, which YAML's
-    and JSON's escapes can write: no tokenizer, hash or file takes it), as (dotted key, character index)."""
-    items: Any = data.items() if isinstance(data, dict) else enumerate(data) if isinstance(data, list) else ()
-    for key, value in items:
-        here = (*at, str(key))
-        for text in (key, value):
-            if isinstance(text, str):
-                try:
-                    text.encode("utf-8")
-                except UnicodeEncodeError as exc:
-                    return ".".join(here), exc.start
-        found = not_text(value, here)
-        if found is not None:
-            return found
-    return None
 
 
 def validate(data: dict[str, Any], cls: type[M], source: str = "<config>") -> M:

@@ -7,6 +7,8 @@ traceback.
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class UserError(Exception):
     """Bad input that the user can fix; the message names the field or file."""
@@ -29,3 +31,21 @@ def shown_key(key: object) -> str:
     (a key with a newline or other control character must not break the line)."""
     text = str(key)
     return text if text.isprintable() and text and ":" not in text and " " not in text else repr(text)
+
+
+def not_text(data: Any, at: tuple[str, ...] = ()) -> tuple[str, int] | None:
+    """The first key or string value of `data` that is not encodable text (a lone surrogate, which YAML's
+    and JSON's escapes can write: no tokenizer, hash or file takes it), as (dotted key, character index)."""
+    items: Any = data.items() if isinstance(data, dict) else enumerate(data) if isinstance(data, list) else ()
+    for key, value in items:
+        here = (*at, str(key))
+        for text in (key, value):
+            if isinstance(text, str):
+                try:
+                    text.encode("utf-8")
+                except UnicodeEncodeError as exc:
+                    return ".".join(here), exc.start
+        found = not_text(value, here)
+        if found is not None:
+            return found
+    return None

@@ -96,6 +96,7 @@ def test_a_dataset_row_with_a_lone_surrogate_is_a_bad_row(on_bad_row, capsys, tm
     rows = [{"prompt": f"What is {i}+1?", "answer": str(i + 1), "uid": f"u{i}"} for i in range(40)]
     rows[3]["prompt"] = "What is \ud800 3+1?"
     rows[5]["uid"] = "u\udfff"
+    rows[7]["solution"] = "3 + 1 = \ud801"  # metadata the bootstrap policy trains on
     (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (tmp_path / "c.yaml").write_text(
         f"run: {{storage_root: {tmp_path / 'st'}}}\n"

@@ -195,7 +195,7 @@ _tree = st.recursive(st.one_of(_text, st.integers(), st.none()),
 def test_not_text_finds_a_lone_surrogate_anywhere_and_only_there(data: dict) -> None:
     """Whatever the nesting: None exactly when every key and string encodes as UTF-8; otherwise the first
     such key or string in order, named by its dotted path and the index of its first surrogate."""
-    from pivotrl.config import not_text
+    from pivotrl.errors import not_text
 
     def bad(x, at=()):  # (dotted path, first surrogate's index) of every key or string that fails, in order
         items = x.items() if isinstance(x, dict) else enumerate(x) if isinstance(x, list) else ()

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from pivotrl.errors import UserError
+from pivotrl.errors import UserError, not_text
 from pivotrl.tasks.base import Problem
 
 
@@ -34,12 +34,10 @@ def _row_problem(row: Any, where: str, default_uid: str) -> Problem:
     uid = row.get("uid", default_uid)
     if uid is None or isinstance(uid, (dict, list)) or str(uid).strip() == "":
         raise ValueError(f"{where}: field 'uid' must be a non-empty string or number")
-    for key, value in (("prompt", row["prompt"]), ("answer", row["answer"]), ("uid", str(uid))):
-        try:  # JSON may escape a lone surrogate (\ud800): a str no tokenizer, hash or file can encode
-            value.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise ValueError(f"{where}: field '{key}' is not text (a lone surrogate at character "
-                             f"{exc.start})") from None
+    bad = not_text(row)  # JSON may escape a lone surrogate (\ud800): a str no tokenizer, hash or file takes
+    if bad is not None:
+        raise ValueError(f"{where}: field {bad[0]!r} is not text (a lone surrogate at character "
+                         f"{bad[1]})")
     meta = {k: v for k, v in row.items() if k not in ("prompt", "answer", "uid")}
     return Problem(uid=str(uid), prompt=row["prompt"], answer=row["answer"], meta=meta)
 

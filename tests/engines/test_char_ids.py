@@ -13,7 +13,7 @@ from pivotrl.engines.checkpoints import CHARACTERS, SPECIAL_TOKENS, build_tokeni
 TOK = build_tokenizer()
 # known characters, characters the tokenizer does not know, and the special tokens' spellings; no lone
 # surrogates: not text (the tokenizer refuses them, and a config or dataset holding one is refused first:
-# `pivotrl.config.not_text`, `pivotrl.tasks.datasets`)
+# `pivotrl.errors.not_text`, `pivotrl.tasks.datasets`)
 pieces = st.one_of(st.sampled_from(CHARACTERS), st.characters(exclude_categories=("Cs",)),
                    st.sampled_from(SPECIAL_TOKENS))
 texts = st.lists(pieces, max_size=30).map("".join)
