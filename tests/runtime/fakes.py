@@ -30,6 +30,7 @@ class CountingGen:
         self.version = spec.get("version")
         self.max_batch = int(spec.get("max_batch", 8))
         self.step_s = float(spec.get("step_s", 0.01))
+        self.row_s = float(spec.get("row_s", 0.0))  # more per running row: a batch slows each of its rows
         self.running: dict[str, dict[str, Any]] = {}
         self.w: torch.Tensor | None = None
 
@@ -70,7 +71,7 @@ class CountingGen:
         t0 = time.perf_counter()
         assert self.w is not None
         x = self.w
-        end = t0 + self.step_s
+        end = t0 + self.step_s + self.row_s * len(self.running)
         while time.perf_counter() < end:  # real work, sized in time so tests stay fast and stable
             x = torch.tanh(x @ self.w)
         finished = []

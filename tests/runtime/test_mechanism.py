@@ -114,6 +114,37 @@ def test_abort_and_resume_across_workers(cluster):
     assert any(e["kind"] == "shift_done" and e["worker"] == owner and e["role"] == "reward" for e in ev)
 
 
+class TailMigrating(Manual):
+    """Manual placement, and core's tail migration on (as `Shiftable` has it), priced without a profile."""
+
+    def tail_residuals(self):
+        return {}
+
+
+def test_an_idle_worker_takes_a_long_sequence_from_a_crowded_one(cluster):
+    """Core's tail migration on the real runtime: two long rollouts share one worker (dispatch's tie goes to
+    the first replica), the other worker's short item ends and it stands idle with nothing queued; core
+    moves one long rollout to it (Abort on the crowded worker, Dispatch on the idle one) and it finishes
+    there with every token it would have written in place."""
+    # the step line's prior has the fake's slope (a replica that always runs two rows cannot measure one)
+    roles = {r: RoleSpec(max_seqs=8, kv_tokens=1 << 20, prior_step_a_s=0.01, prior_step_b_s=0.01)
+             for r in Role}
+    ctl = Controller(TailMigrating(["rollout", "rollout"]), config=ControllerConfig(roles=roles))
+    spec = {**specs(step_s=0.01), "rollout": {**specs()["rollout"], "step_s": 0.01, "row_s": 0.01}}
+    sess = RuntimeSession.install(cluster.client, controller=ctl, role_specs=spec,
+                                  worker_options={"progress_every_s": 0.05})
+    sess.wait_ready(2)
+    sess.submit([*gen_items("long", 1, 200), *gen_items("short", 1, 10), *gen_items("late", 1, 200)])
+    res = wait_results(sess, {"long0", "short0", "late0"}, timeout_s=60)
+    events = sess.metrics()["events"]
+    moves = [e for e in events if e["kind"] == "decision" and e.get("kind_") == "migrate"]
+    assert moves, sorted({(e["kind"], e.get("kind_")) for e in events})
+    assert res["long0"].worker != res["late0"].worker  # they end on different workers
+    for sid in ("long0", "late0"):
+        assert res[sid].generated == [token(sid, j) for j in range(200)]
+        assert len(res[sid].logprobs) == 200
+
+
 def test_sync_round_trip_overlaps_engine_steps(cluster):
     """A streaming device steps while its sync is in flight, so the time it spends blocked on the
     scheduler is a small fraction of its step time (blocking, it waited a round trip after every step)."""
