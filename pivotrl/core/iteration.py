@@ -292,12 +292,15 @@ class IterationChoice:
 
 
 def choose(
-    state: ClusterState, costs: ShiftCostModel, last: IterationProfile | None
+    state: ClusterState, costs: ShiftCostModel, last: IterationProfile | None,
+    st: dict[Role, Stage] | None = None,
 ) -> IterationChoice | None:
     """Predict every plan for the coming iteration and pick the fastest. Ties go to `static` (stay still),
     then `dynamic`. Moving to the static split from the current allocation costs its moved devices' shift
-    time, spread over the cluster. The scale is the last iteration's measured/predicted makespan."""
-    st = stages(state, costs, last)
+    time, spread over the cluster. The scale is the last iteration's measured/predicted makespan. `st`: the
+    iteration's `stages`, where the caller has built them already."""
+    if st is None:
+        st = stages(state, costs, last)
     n = len(state.device_role)
     if st is None or n < sum(s.g for s in st.values()):
         return None

@@ -50,8 +50,8 @@ class Shiftable(Policy):
         self, state: ClusterState, costs: ShiftCostModel, last: object | None, now: float
     ) -> None:
         profile = last if isinstance(last, IterationProfile) else None
-        self.choice = choose(state, costs, profile)
         st = stages(state, costs, profile)
+        self.choice = choose(state, costs, profile, st)
         self.residuals = {} if st is None else {
             r: Residual.from_points(*s.points()) for r, s in st.items() if s.decode}
         # An iteration's opening moves the whole allocation: only where no older iteration still has work

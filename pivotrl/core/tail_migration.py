@@ -111,7 +111,7 @@ def left_tokens(seq: Sequence, residual: Residual | None) -> float:
     return float(min(est, budget))
 
 
-def best_from(state: ClusterState, rep: Replica, residual: Residual | None,
+def best_from(rep: Replica, residual: Residual | None,
               prefill_tokens_per_s: float) -> tuple[float, Sequence] | None:
     """The paying move of one of `rep`'s sequences onto an idle replica of its role, with its gain in
     seconds: its furthest sequence (on a heavy tail the one expected to run longest) or the cheapest to
@@ -155,7 +155,7 @@ def tail_moves(state: ClusterState, role: Role, residual: Residual | None) -> li
     for rep in reps:
         if rep.state is not ReplicaState.ACTIVE:
             continue
-        found = best_from(state, rep, residual, rep.model.prefill_tokens_per_s or prefill)
+        found = best_from(rep, residual, rep.model.prefill_tokens_per_s or prefill)
         if found is not None:
             heap.append((-found[0], rep.replica_id, rep, found[1]))
     heapq.heapify(heap)
@@ -169,7 +169,7 @@ def tail_moves(state: ClusterState, role: Role, residual: Residual | None) -> li
         takers.remove(taker)
         state.move(seq, taker)
         out.append(Move(seq.seq_id, donor.replica_id, taker.replica_id, -neg))
-        again = best_from(state, donor, residual, donor.model.prefill_tokens_per_s or prefill)
+        again = best_from(donor, residual, donor.model.prefill_tokens_per_s or prefill)
         if again is not None:
             heapq.heappush(heap, (-again[0], donor.replica_id, donor, again[1]))
     return out

@@ -146,7 +146,7 @@ def test_every_move_pays_lands_on_an_idle_replica_and_none_that_pays_is_left(
     assert all(s.state is SeqState.RUNNING for s in st.seqs.values()) and len(st.seqs) == k
     st.check()
     if any(r.n == 0 for r in reps):  # an idle replica is left: then no paying move is
-        assert all(best_from(st, r, residual, spec.prefill_tokens_per_s) is None for r in reps)
+        assert all(best_from(r, residual, spec.prefill_tokens_per_s) is None for r in reps)
 
 
 def test_a_moved_sequence_steps_faster_than_where_it_was() -> None:
