@@ -9,6 +9,11 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= dev
 PYTEST_ARGS ?=
+# `make test` runs the tests that time nothing and start no cluster (core's policy, the simulator, the tasks,
+# the engines) on TEST_JOBS processes, then the rest one at a time (docs/decisions.md, "The default suite
+# runs its clock-free tests on both cores")
+TEST_JOBS ?= 2
+PARALLEL_TESTS := tests/core tests/sim tests/tasks tests/engines
 # pip's configured local wheel folders, for uv, which does not read pip's configuration (asked only when installing)
 FIND_LINKS = $(foreach d,$(shell $(PYTHON) -m pip config list 2>/dev/null | sed -n "s/.*find-links='\(.*\)'/\1/p" | sort -u),--find-links $(d))
 
@@ -26,9 +31,13 @@ $(VENV)/.installed: pyproject.toml Makefile
 		|| ($(PY) -m pip install -q "$(TORCH_SPEC)" && $(PY) -m pip install -q -e ".[$(EXTRAS)]")
 	@touch $@
 
+# pytest's exit status 5 (nothing collected, e.g. a -k that matches only the other half) is no failure
 test: setup
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	@status=0; \
+	$(PY) -m pytest -q -m "not slow" -n $(TEST_JOBS) $(PARALLEL_TESTS) $(PYTEST_ARGS) || { s=$$?; [ $$s -eq 5 ] || status=$$s; }; \
+	$(PY) -m pytest -q -m "not slow" $(addprefix --ignore=,$(PARALLEL_TESTS)) $(PYTEST_ARGS) || { s=$$?; [ $$s -eq 5 ] || status=$$s; }; \
+	exit $$status
 
 test-all: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)
