@@ -31,13 +31,17 @@ $(VENV)/.installed: pyproject.toml Makefile
 		|| ($(PY) -m pip install -q "$(TORCH_SPEC)" && $(PY) -m pip install -q -e ".[$(EXTRAS)]")
 	@touch $@
 
-# pytest's exit status 5 (nothing collected, e.g. a -k that matches only the other half) is no failure
+# With PYTEST_ARGS (a file, a -k), one run as given, one test at a time.
 test: setup
 	$(PY) -m ruff check .
+ifeq ($(strip $(PYTEST_ARGS)),)
 	@status=0; \
-	$(PY) -m pytest -q -m "not slow" -n $(TEST_JOBS) $(PARALLEL_TESTS) $(PYTEST_ARGS) || { s=$$?; [ $$s -eq 5 ] || status=$$s; }; \
-	$(PY) -m pytest -q -m "not slow" $(addprefix --ignore=,$(PARALLEL_TESTS)) $(PYTEST_ARGS) || { s=$$?; [ $$s -eq 5 ] || status=$$s; }; \
+	$(PY) -m pytest -q -m "not slow" -n $(TEST_JOBS) $(PARALLEL_TESTS) || status=$$?; \
+	$(PY) -m pytest -q -m "not slow" $(addprefix --ignore=,$(PARALLEL_TESTS)) || status=$$?; \
 	exit $$status
+else
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+endif
 
 test-all: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)
