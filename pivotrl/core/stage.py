@@ -65,6 +65,14 @@ def tail_lengths(lengths: np.ndarray) -> tuple[float, ...]:
     return tuple(float(x) for x in q)
 
 
+def length_at_fraction(fs: np.ndarray, ls: np.ndarray, f: np.ndarray) -> np.ndarray:
+    """The length exceeded by a fraction `f` of the items of a length profile given as points (a fraction
+    `fs[i]` of the items is at least `ls[i]` long, `fs` decreasing), log-interpolated between the points and
+    clamped at their ends."""
+    x = np.log(np.clip(f, fs[-1], 1.0))
+    return np.interp(-x, -np.log(fs), ls)
+
+
 @dataclass(frozen=True)
 class Stage:
     """One role's iteration work in the model's terms (see `stages`)."""
@@ -146,9 +154,7 @@ class Stage:
 
     def length_at(self, f: np.ndarray) -> np.ndarray:
         """The length exceeded by a fraction `f` of the items (log-interpolated between the points)."""
-        fs, ls = self.points()
-        x = np.log(np.clip(f, fs[-1], 1.0))
-        return np.interp(-x, -np.log(fs), ls)
+        return length_at_fraction(*self.points(), f)
 
     def _batch(self, m: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         m = np.maximum(np.asarray(m, dtype=float), 1e-12)

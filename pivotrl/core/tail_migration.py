@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pivotrl.core.dispatcher import cheapest_recent
+from pivotrl.core.stage import length_at_fraction
 from pivotrl.core.state import ClusterState
 from pivotrl.core.types import PIPELINE, Replica, ReplicaState, Role, Sequence
 
@@ -41,7 +42,7 @@ _GRID = (np.arange(64) + 0.5) / 64
 class Residual:
     """A role's item lengths as survival points: a fraction `fs[i]` of the items is at least `ls[i]` tokens
     long (`fs` decreasing to the longest's 1/n, `ls` non-decreasing), log-interpolated in between as
-    `pivotrl.core.stage.Stage.length_at` reads them."""
+    `pivotrl.core.stage.Stage.length_at` reads them (`length_at_fraction`)."""
 
     fs: tuple[float, ...]
     ls: tuple[float, ...]
@@ -57,9 +58,7 @@ class Residual:
 
     def length_at(self, f: np.ndarray) -> np.ndarray:
         """The length exceeded by a fraction `f` of the items."""
-        fs = np.asarray(self.fs)
-        u = -np.log(np.clip(f, fs[-1], 1.0))
-        return np.interp(u, -np.log(fs), np.asarray(self.ls))
+        return length_at_fraction(np.asarray(self.fs), np.asarray(self.ls), f)
 
     def survival(self, length: float) -> float:
         """The fraction of items longer than `length` (0 past the longest point)."""
@@ -150,12 +149,16 @@ def tail_moves(state: ClusterState, role: Role, residual: Residual | None) -> li
     takers = [r for r in reps if r.state is ReplicaState.ACTIVE and r.n == 0]
     if not takers:
         return []
-    prefill = state.config.spec(role).prefill_tokens_per_s
+    role_prefill = state.config.spec(role).prefill_tokens_per_s
+
+    def best(rep: Replica) -> tuple[float, Sequence] | None:
+        return best_from(rep, residual, rep.model.prefill_tokens_per_s or role_prefill)
+
     heap: list[tuple[float, str, Replica, Sequence]] = []
     for rep in reps:
         if rep.state is not ReplicaState.ACTIVE:
             continue
-        found = best_from(rep, residual, rep.model.prefill_tokens_per_s or prefill)
+        found = best(rep)
         if found is not None:
             heap.append((-found[0], rep.replica_id, rep, found[1]))
     heapq.heapify(heap)
@@ -169,7 +172,7 @@ def tail_moves(state: ClusterState, role: Role, residual: Residual | None) -> li
         takers.remove(taker)
         state.move(seq, taker)
         out.append(Move(seq.seq_id, donor.replica_id, taker.replica_id, -neg))
-        again = best_from(donor, residual, donor.model.prefill_tokens_per_s or prefill)
+        again = best(donor)
         if again is not None:
             heapq.heappush(heap, (-again[0], donor.replica_id, donor, again[1]))
     return out

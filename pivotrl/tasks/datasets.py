@@ -93,13 +93,10 @@ def load_dataset(path: str | Path, on_bad_row: Literal["error", "skip"] = "error
     p = Path(path)
     if not p.is_file():
         raise UserError(f"{p}: dataset file not found")
-    suffix = p.suffix.lower()
-    if suffix in JSONL_SUFFIXES:
-        rows = _jsonl_rows(p)
-    elif suffix in DATASET_SUFFIXES:
-        rows = _parquet_rows(p)
-    else:
-        raise UserError(f"{p}: unknown dataset format (use .jsonl or .parquet)")
+    why = dataset_format_error(str(p))
+    if why is not None:
+        raise UserError(f"{p}: {why}")
+    rows = _jsonl_rows(p) if p.suffix.lower() in JSONL_SUFFIXES else _parquet_rows(p)
     out = LoadedDataset(problems=[])
     seen: set[str] = set()
     for where, index, row in rows:
