@@ -31,7 +31,8 @@ def static_makespans(
     ended independently on the judge stage's own curve (`member_left`), since that lag, the longest of G
     judgements, counts the stage's long tail a second time; and no sooner than members ending
     independently in the order the first stage admits their groups, judged on arrival
-    (`groups_complete`). Train then still has fg of its work to drain. Train ends with the latest of
+    (`groups_complete`). Train then still has fg of its work to drain, and an item runs on one replica:
+    the drain ends up to one item later than its fluid share (`item_grain`). Train ends with the latest of
     those and its own drain (its backlog), or after the last judgement by what that judgement's group
     leaves it, whichever is later in expectation over the last judgement's random length (`later_of`);
     then it syncs (`Stage.sync`). What the last group leaves is one step, or where groups are large the
@@ -63,8 +64,9 @@ def static_makespans(
     tail = np.maximum(tr.last_item_s(), drain_tr / groups)
     backlog = e_tr - tail  # train's own ends, less what follows the last judgement
     lag = group_lag(ro, rw, m_ro, m_rw, g)
+    grain = item_grain(tr, m_tr)
     for fg, together, bound in zip(fgs, judged, independent):
-        backlog = np.maximum(backlog, np.minimum(together + lag, bound) + fg * drain_tr - tail)
+        backlog = np.maximum(backlog, np.minimum(together + lag, bound) + fg * drain_tr + grain - tail)
     spread = rw.end_spread
     sync = tr.sync(m_tr)
     end = later_of(backlog, t_rw, spread) + tail + sync
@@ -81,11 +83,24 @@ def static_makespans(
 
     apart = groups_complete(ro, rw, cols(m_ro), cols(m_rw), g, fgs, {f: cols(t) for f, t in up.items()},
                             horizon=cols(last))
-    backlog, tail = cols(backlog), cols(tail)
+    backlog, tail, grain = cols(backlog), cols(tail), cols(grain)
     for fg, t in zip(fgs, apart):
-        backlog = np.maximum(backlog, t + fg * cols(drain_tr) - tail)
+        backlog = np.maximum(backlog, t + fg * cols(drain_tr) + grain - tail)
     end[sel] = later_of(backlog, cols(t_rw), spread) + tail + cols(sync)
     return end
+
+
+def item_grain(tr: Stage, m: np.ndarray) -> np.ndarray:
+    """Seconds by which `m` train replicas end a backlog of whole items after its fluid share, at most:
+    one item's time at their speed, times 1 − 1/m. An item runs on one replica, so the drain's last
+    stretch is the items then running, and no idle replica can take a share of them; one replica alone
+    never idles while it has work. Measured on random draw 18 (460 devices, 193-207 train replicas,
+    items of 0.55 s arriving over 17 s): a fluid drain from the simulator's own group completions ended
+    0.43-0.46 s before its train did, and a greedy list schedule of the same items ended within 0.08 s
+    of it. Without this the model saw a train-bound split as judge-bound and gave its devices to the
+    judge (docs/decisions.md, "A train item runs on one replica")."""
+    m = np.maximum(np.asarray(m, dtype=float), 1.0)
+    return tr.last_item_s() / tr.dp_speed(m) * (1.0 - 1.0 / m)
 
 
 def later_of(backlog: np.ndarray, judged: np.ndarray, spread: tuple[float, ...]) -> np.ndarray:

@@ -28,6 +28,7 @@ from pivotrl.core.makespan import (
     dynamic_makespan,
     group_lag,
     groups_complete,
+    item_grain,
     later_of,
     member_left,
     moved_makespan,
@@ -518,6 +519,57 @@ def test_train_drains_the_last_group_after_the_last_judgement(
     drain, _ = tr.timing(reps[Role.TRAIN])
     floor = float(rw.timing(reps[Role.REWARD])[1]) + float(drain) * g / n + float(tr.sync(reps[Role.TRAIN]))
     assert float(static_makespans(stg, reps)) >= floor * (1 - 1e-9) - 1e-9
+
+
+def list_schedule(arrivals: list[float], item_s: float, m: int) -> float:
+    """When `m` replicas end equal items of `item_s` seconds arriving at `arrivals`, each item on the
+    replica free first (a greedy list schedule, what a least-loaded dispatcher does)."""
+    free = [0.0] * m
+    for t in sorted(arrivals):
+        free.sort()
+        free[0] = max(free[0], t) + item_s
+    return max(free)
+
+
+@FEW
+@given(items=st.integers(1, 300), m=st.integers(1, 64), item_s=st.floats(0.01, 10.0))
+def test_whole_items_end_within_one_grain_of_their_fluid_share(items: int, m: int, item_s: float) -> None:
+    """Items available at once on `m` replicas end no sooner than their fluid share and no later than
+    `item_grain` after it (Graham's bound for a list schedule), and exactly that late when one item is
+    left over a whole number of rounds: no idle replica can take a share of an item."""
+    tr = Stage(Role.TRAIN, 1, float(items), 100.0, 100.0, 0.0, item_s / 100.0, 100.0, 16.0, 0.0, False)
+    assert tr.last_item_s() == pytest.approx(item_s)
+    fluid = items * item_s / m
+    grain = float(item_grain(tr, np.asarray(float(m))))
+    end = list_schedule([0.0] * items, item_s, m)
+    assert fluid - 1e-9 <= end <= fluid + grain + 1e-9
+    if m == 1:
+        assert grain == 0.0
+    if items % m == 1 and items > m:
+        assert end == pytest.approx(fluid + grain)
+
+
+def test_a_train_bound_split_ends_a_grain_after_its_fluid_drain() -> None:
+    """Judgements of one length end together and hand train every group at once; with one item more than
+    whole rounds on the train replicas, the prediction holds the leftover item's time (`item_grain`): a
+    fluid drain spreads it over every replica and prices a train-bound split as if it were judge-bound.
+    Train may start the first `GROUP_FRACTIONS` share of its groups sooner: the floor drains the rest."""
+    gen = {r: Stage(r, 1, 1024.0, 3000.0, 3000.0, 0.01, 1e-6, 1.0, 4096.0, 0.0, True) for r in PIPELINE[:2]}
+    for m, groups in ((3, 53), (5, 52), (7, 57)):
+        n = 8.0 * groups
+        assert n % m == 1   # one item over whole rounds
+        stg = {r: dataclasses.replace(s, seqs=n) for r, s in gen.items()}
+        stg[Role.TRAIN] = Stage(Role.TRAIN, 1, n, 1000.0, 1000.0, 0.0, 1e-3, 1000.0, 16.0, 0.0, False,
+                                group=8)
+        reps = {Role.ROLLOUT: np.asarray(8.0), Role.REWARD: np.asarray(8.0), Role.TRAIN: np.asarray(float(m))}
+        tr = stg[Role.TRAIN]
+        together = float(stg[Role.REWARD].after(stg[Role.ROLLOUT].emissions(reps[Role.ROLLOUT]),
+                                                reps[Role.REWARD], 0.5))
+        drain, _ = tr.timing(reps[Role.TRAIN])
+        grain = float(item_grain(tr, reps[Role.TRAIN]))
+        assert grain == pytest.approx(1.0 - 1.0 / m)
+        floor = together + GROUP_FRACTIONS[0] * float(drain) + grain
+        assert float(static_makespans(stg, reps)) >= floor - 1e-9
 
 
 @FEW
