@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+from pivotrl.engines.bootstrap import MKL_REPRODUCIBLE
+
+# As the bootstrap's worker processes run (`bootstrap._init_worker`): set before this process's first MKL
+# call, so that a test training in-process gets the same bits on one thread and on two.
+os.environ.setdefault(*MKL_REPRODUCIBLE)
 
 
 @pytest.fixture(scope="session")

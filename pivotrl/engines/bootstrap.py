@@ -405,9 +405,19 @@ _progress_queue: Any = None  # a worker process's queue to the parent's progress
 _spare_core: Any = None  # set by the parent once this process is the only one left working (`_init_worker`)
 
 
+#: MKL's strict conditional numerical reproducibility: its GEMMs give the same bits whatever the thread
+#: count. Without it, MKL on an Intel Xeon splits a weight gradient's long reduction over two threads,
+#: and an SFT that takes the spare core mid-run ends with other weights than on one thread (measured:
+#: 8e-5 apart on a 64×2144×256 product; on the Zen 4 hosts the bits matched without it). Costs ~9 % of
+#: one such product on one thread, about 4 % of an SFT step.
+MKL_REPRODUCIBLE = ("MKL_CBWR", "AUTO,STRICT")
+
+
 def _init_worker(queue: Any, spare_core: Any = None) -> None:
     global _progress_queue, _spare_core
     _progress_queue, _spare_core = queue, spare_core
+    # before this fresh process's first MKL call, which reads it; a user's own setting stands
+    os.environ.setdefault(*MKL_REPRODUCIBLE)
 
 
 def _train_role_entry(args: tuple[dict[str, Any], str, str]) -> dict[str, Any]:
@@ -422,7 +432,9 @@ def take_spare_core(spare_core: Any, report: Progress | None, threads: int = 2) 
     set (the other model and the kernel compile are done, so a core is idle).
 
     Why: the judge trains ~40 s longer than the policy. Its steps are ~1.2-1.4x faster on two threads,
-    and the weights are the same bit for bit (the thread count only splits independent rows)."""
+    and the weights are the same bit for bit where the thread count only splits independent rows
+    (`MKL_REPRODUCIBLE`). Where a probe product with a long reduction differs between one thread and
+    `threads`, the SFT stays on its thread: the same weights come first."""
     if spare_core is None:
         return report
     want = max(1, min(threads, usable_cores()))
@@ -431,11 +443,27 @@ def take_spare_core(spare_core: Any, report: Progress | None, threads: int = 2) 
     def progress(done: int, total: int, loss: float) -> None:
         if not moved[0] and spare_core.is_set():
             moved[0] = True
-            torch.set_num_threads(want)
+            if threads_keep_bits(want):
+                torch.set_num_threads(want)
         if report is not None:
             report(done, total, loss)
 
     return progress
+
+
+def threads_keep_bits(threads: int) -> bool:
+    """Whether a float32 product with a weight gradient's long reduction (64 × 2144 × 256) gives the same
+    bits on `threads` threads as on the current count (the count is restored)."""
+    before = torch.get_num_threads()
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(64, 2144, generator=gen), torch.randn(2144, 256, generator=gen)
+    try:
+        torch.set_num_threads(1)
+        one = a @ b
+        torch.set_num_threads(threads)
+        return bool(torch.equal(one, a @ b))
+    finally:
+        torch.set_num_threads(before)
 
 
 def ensure_bootstrap(

@@ -291,3 +291,22 @@ def test_the_last_sft_left_takes_the_spare_core_with_the_same_weights(tmp_path):
         assert bs.take_spare_core(None, print) is print
     finally:
         torch.set_num_threads(before)
+
+
+def test_the_spare_core_is_left_where_two_threads_change_the_bits(monkeypatch):
+    """Where a product with a long reduction gives other bits on two threads (MKL without
+    `MKL_REPRODUCIBLE` on an Intel Xeon), the SFT stays on its one thread and still reports every step;
+    the probe restores the thread count it found."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert isinstance(bs.threads_keep_bits(2), bool) and torch.get_num_threads() == 1
+        monkeypatch.setattr(bs, "threads_keep_bits", lambda threads: False)
+        reports = []
+        progress = bs.take_spare_core(_Flag(0), lambda d, t, loss: reports.append(d))
+        for step in range(1, 4):
+            progress(step, 3, 0.0)
+            assert torch.get_num_threads() == 1
+        assert reports == [1, 2, 3]
+    finally:
+        torch.set_num_threads(before)
