@@ -53,7 +53,7 @@ from pathlib import Path
 
 import torch
 
-from pivotrl.engines import kernels
+from pivotrl.engines import cpu_pack, kernels
 from pivotrl.engines.checkpoints import PAD_ID, build_tokenizer, create_model, from_pretrained
 from pivotrl.engines.generation import GenerationEngine, GenRequest, SamplingParams
 from pivotrl.engines.model import CausalLM, num_parameters
@@ -328,6 +328,9 @@ def main(argv: list[str] | None = None) -> int:
         # what torch and oneDNN were limited to, for a run standing in for a smaller CPU
         "isa": kernels.isa() if probe.native_kernels else "torch",
         "isa_env": {k: os.environ.get(k) for k in ISA_ENV},
+        # large bf16 matmuls on oneDNN's AMX tiles (`cpu_pack.amx_handoff`; PIVOTRL_AMX=off forces ours)
+        "amx_handoff": bool(probe.native_kernels and dtype == torch.bfloat16 and cpu_pack.amx_handoff()),
+        "amx_env": os.environ.get(cpu_pack.AMX_ENV),
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "hf_attn_implementation": str(hf.config._attn_implementation),
         "longtail": {

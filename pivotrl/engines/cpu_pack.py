@@ -14,7 +14,9 @@ The model (`model.py`) calls `linear` and `FusedLinear`; an engine switches pack
 
 from __future__ import annotations
 
+import functools
 import operator
+import os
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -25,6 +27,31 @@ from torch import nn
 from pivotrl.malloc import huge_pages
 
 Matmul = Callable[[torch.Tensor], torch.Tensor]
+
+#: Multiply-accumulates (rows × in × out) from which a bf16 call goes to oneDNN on a CPU with AMX tiles
+#: (`amx_handoff`). Measured on an Intel Xeon with AMX-BF16 (one thread, `small`'s weights): oneDNN's
+#: tiles take 21–30 µs for up to 16 rows, fixed cost mostly, while our AVX-512 matmul's time grows with
+#: the rows (about 100 GFLOP/s); they cross at 0.9–1.5 M multiply-accumulates for every weight shape,
+#: and at 32 rows oneDNN is 1.2–3.7× faster (docs/engine.md, "A CPU with AMX tiles").
+AMX_MIN_MACS = 1 << 20
+AMX_ENV = "PIVOTRL_AMX"
+
+
+@functools.cache
+def _cpu_has_amx_bf16() -> bool:
+    caps = getattr(torch._C._cpu, "_get_cpu_capability", None)
+    return bool(caps is not None and caps().get("amx_bf16") and caps().get("amx_tile"))
+
+
+def amx_handoff() -> bool:
+    """Whether large bf16 calls go to oneDNN (`PackedWeight`): the CPU has AMX-BF16 tiles, which oneDNN
+    uses and our kernels do not, oneDNN runs bf16 here, and ``PIVOTRL_AMX`` is not ``off`` (it forces our
+    matmul for every call, so that tests and benchmarks run both paths)."""
+    value = os.environ.get(AMX_ENV, "auto").strip().lower() or "auto"
+    if value not in ("auto", "off"):
+        raise ValueError(f"{AMX_ENV}={value!r}: expected auto or off")
+    return value == "auto" and can_pack() and _cpu_has_amx_bf16() and bool(
+        torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def can_pack() -> bool:
@@ -50,16 +77,22 @@ class PackedWeight:
     With the native kernels (`kernels.py`, `csrc/kernels_impl.h`; fp32 on AVX-512 and AVX2, bf16 on
     AVX512-BF16): our own packing and matmul, faster than oneDNN's on decode-sized batches (no per-call
     primitive lookup, and it requests the next panels of the weight while it multiplies). Otherwise
-    oneDNN's prepacked weight.
+    oneDNN's prepacked weight. A bf16 weight on a CPU with AMX tiles keeps both (`amx_handoff`): a call of
+    at least `AMX_MIN_MACS` goes to oneDNN, whose tiles multiply a decode batch or a prefill several times
+    faster than AVX-512 does; a small one stays on ours, which has no fixed cost per call.
     """
 
-    __slots__ = ("data", "native", "out_features")
+    __slots__ = ("data", "native", "onednn", "onednn_rows", "out_features")
 
     def __init__(self, w: torch.Tensor, native: object | None) -> None:
         w = w.detach()
         self.out_features = w.shape[0]
+        self.onednn, self.onednn_rows = None, 0
         if _native_linear(native, w):
             self.native, self.data = native, native.pack_linear(w)
+            if w.dtype == torch.bfloat16 and amx_handoff():
+                self.onednn = torch.ops.mkldnn._reorder_linear_weight(w, 32)
+                self.onednn_rows = max(1, -(-AMX_MIN_MACS // w.numel()))
         else:
             self.native, self.data = None, torch.ops.mkldnn._reorder_linear_weight(w, 32)
 
@@ -70,14 +103,20 @@ class PackedWeight:
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.native is not None:
+            if self.onednn is not None and x.numel() >= self.onednn_rows * x.shape[-1]:
+                return torch.ops.mkldnn._linear_pointwise(x, self.onednn, bias, "none", [], "")
             return self.native.linear(x, self.data, bias, self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.data, bias, "none", [], "")
 
-    def memory(self) -> tuple[int, int]:
-        """(address, bytes) of the packed copy."""
+    def memory(self) -> list[tuple[int, int]]:
+        """(address, bytes) of each packed copy."""
+        out = []
         if self.native is not None:
-            return self.data.data_ptr(), self.data.numel() * self.data.element_size()
-        return torch.ops.mkldnn.data_ptr(self.data), torch.ops.mkldnn._nbytes(self.data)
+            out.append((self.data.data_ptr(), self.data.numel() * self.data.element_size()))
+        for d in (self.onednn,) if self.native is not None else (self.data,):
+            if d is not None:
+                out.append((torch.ops.mkldnn.data_ptr(d), torch.ops.mkldnn._nbytes(d)))
+        return out
 
 
 def _native_linear(native: object | None, w: torch.Tensor) -> bool:
@@ -257,7 +296,7 @@ def repack(model: nn.Module) -> None:
                     packed.append(state[3])
         if isinstance(m, nn.Linear) and (p := _current_pack(m)) is not None:
             packed.append(p)
-    huge_pages([p.memory() for p in packed])
+    huge_pages([m for p in packed for m in p.memory()])
 
 
 class LayerPlan(NamedTuple):

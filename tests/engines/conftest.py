@@ -64,3 +64,15 @@ def kernel_isa(request):
     native.set_isa(request.param)
     yield request.param
     native.set_isa(before)
+
+
+@pytest.fixture(params=["auto", "off"])
+def amx(request, monkeypatch):
+    """Large bf16 matmuls handed to oneDNN's AMX tiles (`cpu_pack.amx_handoff`), then not: each where this
+    CPU can (``auto`` is skipped on a CPU without AMX-BF16, where it changes nothing)."""
+    from pivotrl.engines import cpu_pack
+
+    monkeypatch.setenv(cpu_pack.AMX_ENV, request.param)
+    if request.param == "auto" and not cpu_pack.amx_handoff():
+        pytest.skip("this CPU has no AMX-BF16 tiles")
+    yield request.param

@@ -232,7 +232,7 @@ def test_bf16_abort_then_resume_on_another_engine_is_identical_torch_ops(debug_m
     _bf16_abort_then_resume_is_identical(debug_model_dir, native=False)
 
 
-def test_bf16_abort_then_resume_on_another_engine_is_identical_on_every_isa(debug_model_dir, kernel_isa):
+def test_bf16_abort_then_resume_on_another_engine_is_identical_on_every_isa(debug_model_dir, kernel_isa, amx):
     _bf16_abort_then_resume_is_identical(debug_model_dir, native=True)
 
 

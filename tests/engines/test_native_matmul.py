@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from pivotrl.engines import kernels
 from pivotrl.engines.checkpoints import from_pretrained, init_state_dict, make_config
-from pivotrl.engines.cpu_pack import PackedWeight
+from pivotrl.engines.cpu_pack import AMX_MIN_MACS, PackedWeight
 from pivotrl.engines.generation import GenerationEngine, GenRequest, SamplingParams
 from pivotrl.engines.kv_cache import KVSlots
 from pivotrl.engines.model import CausalLM
@@ -144,3 +144,31 @@ def test_native_fp32_linear_on_random_shapes(seed, kernel_isa):
     got = NATIVE.linear(x, NATIVE.pack_linear(w), b, n)
     ref = F.linear(x.double(), w.double(), b.double())
     assert (got.double() - ref).abs().max().item() <= 1e-5 * (ref.abs().max().item() + 1.0)
+
+
+@needs_native
+@pytest.mark.parametrize("seed", range(6))
+def test_amx_handoff_routes_large_bf16_calls_to_onednn(seed, amx):
+    # On a CPU with AMX tiles a bf16 call of at least AMX_MIN_MACS multiply-accumulates goes to oneDNN's
+    # copy, a smaller one to ours (bit for bit each); with PIVOTRL_AMX=off every call stays on ours.
+    if not _supported(torch.bfloat16):
+        pytest.skip("no native bf16 matmul on this CPU")
+    gen = torch.Generator().manual_seed(seed)
+    n, k = (int(torch.randint(lo, hi, (), generator=gen)) for lo, hi in ((8, 2100), (8, 1100)))
+    k += k % 2  # the native bf16 matmul packs K in pairs
+    w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
+    b = torch.randn(n, generator=gen)
+    packed = PackedWeight(w, NATIVE)
+    assert packed.native is NATIVE and (packed.onednn is not None) is (amx == "auto")
+    rows = max(1, -(-AMX_MIN_MACS // (n * k)))
+    if amx == "auto":
+        assert packed.onednn_rows == rows
+    for m in sorted({1, max(rows - 1, 1), rows, rows + 3}):
+        x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+        got = packed(x, b)
+        ref = F.linear(x.double(), w.double(), b.double())
+        assert (got.double() - ref).abs().max().item() <= 2**-7 * (ref.abs().max().item() + 1)
+        if amx == "auto" and m >= rows:
+            assert torch.equal(got, torch.ops.mkldnn._linear_pointwise(x, packed.onednn, b, "none", [], ""))
+        else:
+            assert torch.equal(got, NATIVE.linear(x, packed.data, b, n))
