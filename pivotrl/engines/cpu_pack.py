@@ -120,12 +120,16 @@ class PackedWeight:
 
 
 def _native_linear(native: object | None, w: torch.Tensor) -> bool:
-    """Whether the native kernels' matmul takes `w` (see `PackedWeight`)."""
+    """Whether the native kernels' matmul takes `w` (see `PackedWeight`). Not a bf16 weight of at least
+    `AMX_MIN_MACS` elements on a CPU with AMX tiles: every call of it, one row included, goes to oneDNN
+    (`amx_handoff`), and our copy would only double its memory (a 7B model's 14 GB)."""
     if native is None:
         return False
     if w.dtype == torch.float32:
         return bool(native.has_linear_fp32())
-    return w.dtype == torch.bfloat16 and w.shape[1] % 2 == 0 and bool(native.has_linear_bf16())
+    if w.dtype != torch.bfloat16 or w.shape[1] % 2 or not native.has_linear_bf16():
+        return False
+    return w.numel() < AMX_MIN_MACS or not amx_handoff()
 
 
 def linear(m: nn.Linear, x: torch.Tensor) -> torch.Tensor:

@@ -147,7 +147,7 @@ def test_native_fp32_linear_on_random_shapes(seed, kernel_isa):
 
 
 @needs_native
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", [*range(6), 4000])  # 4000: a 1,845 × 774 weight, past AMX_MIN_MACS
 def test_amx_handoff_routes_large_bf16_calls_to_onednn(seed, amx):
     # On a CPU with AMX tiles a bf16 call of at least AMX_MIN_MACS multiply-accumulates goes to oneDNN's
     # copy, a smaller one to ours (bit for bit each); with PIVOTRL_AMX=off every call stays on ours.
@@ -159,6 +159,12 @@ def test_amx_handoff_routes_large_bf16_calls_to_onednn(seed, amx):
     w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
     b = torch.randn(n, generator=gen)
     packed = PackedWeight(w, NATIVE)
+    if amx == "auto" and n * k >= AMX_MIN_MACS:  # every call, one row included, is oneDNN's: no copy of ours
+        assert packed.native is None and packed.onednn is None
+        x = torch.randn(1, k, generator=gen).to(torch.bfloat16)
+        want = torch.ops.mkldnn._linear_pointwise(x, packed.data, b, "none", [], "")
+        assert torch.equal(packed(x, b), want)
+        return
     assert packed.native is NATIVE and (packed.onednn is not None) is (amx == "auto")
     rows = max(1, -(-AMX_MIN_MACS // (n * k)))
     if amx == "auto":
