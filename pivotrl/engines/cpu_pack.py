@@ -39,8 +39,9 @@ AMX_ENV = "PIVOTRL_AMX"
 
 @functools.cache
 def _cpu_has_amx_bf16() -> bool:
-    caps = getattr(torch._C._cpu, "_get_cpu_capability", None)
-    return bool(caps is not None and caps().get("amx_bf16") and caps().get("amx_tile"))
+    read = getattr(torch._C._cpu, "_get_cpu_capability", None)
+    caps = read() if read is not None else {}
+    return bool(caps.get("amx_bf16") and caps.get("amx_tile"))
 
 
 def amx_handoff() -> bool:
@@ -109,13 +110,13 @@ class PackedWeight:
         return torch.ops.mkldnn._linear_pointwise(x, self.data, bias, "none", [], "")
 
     def memory(self) -> list[tuple[int, int]]:
-        """(address, bytes) of each packed copy."""
-        out = []
-        if self.native is not None:
-            out.append((self.data.data_ptr(), self.data.numel() * self.data.element_size()))
-        for d in (self.onednn,) if self.native is not None else (self.data,):
-            if d is not None:
-                out.append((torch.ops.mkldnn.data_ptr(d), torch.ops.mkldnn._nbytes(d)))
+        """(address, bytes) of each packed copy: ours and oneDNN's where both are kept."""
+        if self.native is None:
+            out, onednn = [], self.data
+        else:
+            out, onednn = [(self.data.data_ptr(), self.data.numel() * self.data.element_size())], self.onednn
+        if onednn is not None:
+            out.append((torch.ops.mkldnn.data_ptr(onednn), torch.ops.mkldnn._nbytes(onednn)))
         return out
 
 
