@@ -179,8 +179,11 @@ class SearchConfig(Section):
     exhaustive_max_splits: int = Field(64, ge=1, description="simulate every split when there are this few")
     top_k: int = Field(6, ge=1, description="else: simulate the analytically best K and hill-climb")
     max_simulations: int = Field(40, ge=1, description="cap on simulated splits during the hill-climb")
-    iterations: int | None = Field(1, ge=1, description="iterations per split during the search "
-                                   "(the best split is then re-run with all iterations)")
+    iterations: int | None = Field(
+        None, ge=1, description="iterations per split during the search; null (the default): all of the "
+        "run's, so that the baseline is the best split on what the runs are measured on. One iteration "
+        "cannot see a split that pays in a later one, nor, with staleness, the overlap of iterations at all "
+        "(see docs/decisions.md#the-static-search-simulates-the-whole-run)")
 
 
 class SimConfig(Section):

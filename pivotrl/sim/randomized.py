@@ -185,7 +185,6 @@ def draw_config(seed: int, quick: bool = True) -> tuple[SimConfig, Draw]:
         "search": {
             "exhaustive_max_splits": 64,
             "top_k": 3,
-            "iterations": 1,
             "max_simulations": 12 if quick else 24,
         },
     }
