@@ -95,6 +95,7 @@ class Controller:
         for r in self.state.roles:
             self.state.submitted[r] = 0
             self.state.finished[r] = 0
+        self.state.forget_unreleased(plan.iteration - self.state.config.max_staleness)
         self.policy.on_iteration(self.state, self.shift_costs, last, now)
         self.meter.begin(plan.iteration, now)
         choice = getattr(self.policy, "choice", None)

@@ -205,7 +205,7 @@ def stages(
             max(longest[r], 1.0),
             model.a,
             model.b,
-            model.tokens_per_seq_step,
+            model.tokens_per_seq_step if r is not Role.TRAIN else max(means[r], 1.0),
             cap,
             shift_in(costs, r),
             r is not Role.TRAIN,

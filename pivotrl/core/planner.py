@@ -37,7 +37,10 @@ Issue #14 additions (docs/decisions.md#shifting-that-always-pays-issue-14-what-w
 a donor pool whose shift lasts longer than H is no candidate (unless u has no replica); a device the done
 first stage lends downstream adds its return shift to φ (`return_trip_s`); an upstream donor's loss adds
 the whole cluster's wait for its longest live items, slowed by the batch the plan leaves them
-(`views.critical_delay`). Role aggregates and donor rules live in `views`.
+(`views.critical_delay`). On-policy, where no next opening wants devices back, a last stage that would
+drain after the judge's tail (counting the judged items its groups still hold) is priced like a stage
+whose upstream is done, above that tail (`views.behind_tail`), and first offered only idle devices
+(`idle_only`). Role aggregates and donor rules live in `views`.
 
 Cost: O(I log I) for the snapshot and sorting, O(K·D) vectorised numpy work for the DP; nothing walks
 sequences (the state keeps per-role and per-replica aggregates), so planning time does not grow with NSeq.
@@ -58,6 +61,7 @@ from pivotrl.core.state import ClusterState
 from pivotrl.core.types import PIPELINE, Replica, ReplicaState, Role
 from pivotrl.core.views import (
     RoleView,
+    behind_tail,
     critical_delay,
     drain_floor,
     drain_loss,
@@ -66,6 +70,7 @@ from pivotrl.core.views import (
     keeps_up,
     role_views,
     tau,
+    with_held,
 )
 
 __all__ = ["Donor", "DonorPool", "PlanResult", "RoleView", "arrival_s", "critical_delay", "donor_penalty",
@@ -189,6 +194,24 @@ def donor_pools(state: ClusterState, views: dict[Role, RoleView], now: float) ->
     return pools
 
 
+def idle_only(pools: list[DonorPool]) -> list[DonorPool]:
+    """`pools` less every donor at work (one that would stop work or hand back sequences to move).
+
+    For the last stage behind the judge's tail (`views.behind_tail`): a judge replica it took would hand
+    its judgements to the others, which then decode at a larger batch, and lengthen the very tail that
+    sets its floor. Random draw 18: train took 97 of the judge's 115 devices with its tail 5 s from the
+    end, and the judge ended 2 s later than without the move."""
+    out = []
+    for p in pools:
+        keep = (p.lost <= 0.0) & (p.reprefill <= 0.0)
+        if keep.all():
+            out.append(p)
+        elif keep.any():
+            out.append(DonorPool(p.role, p.g, tuple(i for i, k in zip(p.ids, keep, strict=True) if k),
+                                 p.lost[keep], p.reprefill[keep]))
+    return out
+
+
 def arrival_s(costs: ShiftCostModel, u: Role) -> float:
     """The soonest a device shifted to the last stage `u` now could serve there (the shortest expected
     shift into it from another role); 0 for any other role. `keeps_up` asks whether `u` would still be
@@ -227,8 +250,16 @@ def plan(state: ClusterState, costs: ShiftCostModel, now: float, opens_colocated
     # Step 1: roles with work, furthest behind first; but first the role that holds the iteration up, if one
     # does (`drain_floor`): a role downstream of it is furthest behind only until it releases its work.
     floors = {r: drain_floor(views, r) for r in views}
+    last = PIPELINE[-1]
+    # the last stage holding the iteration up behind the judge's tail (`behind_tail`): where no next
+    # opening wants its devices back, it first tries the idle devices, priced against that floor
+    behind = None
+    if (last in floors and floors[last] is None and return_after is None
+            and state.config.max_staleness == 0):
+        behind = behind_tail(state, views)
+    ranked = floors if behind is None else {**floors, last: behind}
     order = sorted((r for r in views if views[r].work > 0),
-                   key=lambda r: (floors[r] is None, -taus[r], -views[r].work, state.roles.index(r)))
+                   key=lambda r: (ranked[r] is None, -taus[r], -views[r].work, state.roles.index(r)))
     if not order:
         return PlanResult(PlanReasoning(now, tau_s, thr, work, None, (), None, threshold, "no role has work"),
                           None, (), None)
@@ -236,10 +267,15 @@ def plan(state: ClusterState, costs: ShiftCostModel, now: float, opens_colocated
     shown: _Evaluation | None = None
     tried: list[str] = []
     for u in order:
-        if keeps_up(state, views, u, 0.0 if opens_colocated else arrival_s(costs, u)):
-            tried.append(f"{u}: drains before the tail upstream of it ends")
-            continue
-        ev = plan_for(state, costs, views, pools, u, threshold, floors, return_after, keep, first_share)
+        ev = None
+        if behind is not None and u is last:
+            ev = plan_for(state, costs, {**views, u: with_held(state, views[u])}, idle_only(pools), u,
+                          threshold, ranked, return_after, keep, first_share)
+        if ev is None or not ev.donors:
+            if keeps_up(state, views, u, 0.0 if opens_colocated else arrival_s(costs, u)):
+                tried.append(f"{u}: drains before the tail upstream of it ends")
+                continue
+            ev = plan_for(state, costs, views, pools, u, threshold, floors, return_after, keep, first_share)
         tried.append(f"{u}: {ev.note}")
         if shown is None or (shown.xs.size == 0 and ev.xs.size > 0):
             shown = ev  # with nothing chosen, show the most-behind role that had candidates

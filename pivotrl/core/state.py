@@ -60,6 +60,18 @@ class ClusterState:
         self.submitted: dict[Role, int] = dict.fromkeys(self.roles, 0)
         self.finished: dict[Role, int] = dict.fromkeys(self.roles, 0)
         self.prompt_sum: dict[Role, int] = dict.fromkeys(self.roles, 0)  # Σ prompt tokens ever submitted
+        # judged items whose group has not reached train yet: group id -> (iteration, items judged)
+        self.unreleased: dict[str, tuple[int, int]] = {}
+        self.unreleased_items = 0
+
+    def forget_unreleased(self, before_iteration: int) -> None:
+        """Drop the judged items of groups from iterations before `before_iteration`: those groups can
+        no longer reach train (a group the driver filtered out, e.g. one whose rewards are all equal, never
+        does), and counted as held they would keep train looking behind forever."""
+        for gid, (it, n) in list(self.unreleased.items()):
+            if it < before_iteration:
+                del self.unreleased[gid]
+                self.unreleased_items -= n
 
     def rollouts_unsubmitted(self) -> bool:
         """Has the iteration plan announced rollouts that the driver has not submitted yet?"""
@@ -191,6 +203,8 @@ class ClusterState:
         self.kv_sum[r] += self.kv_need(seq)
         self.submitted[r] += 1
         self.prompt_sum[r] += seq.prompt_tokens
+        if r is PIPELINE[-1] and seq.group_id is not None and seq.group_id in self.unreleased:
+            self.unreleased_items -= self.unreleased.pop(seq.group_id)[1]
         self._enqueue(seq)
 
     def _enqueue(self, seq: Sequence) -> None:
@@ -271,6 +285,10 @@ class ClusterState:
         if self.n_seqs[r] == 0:
             self.remaining[r] = 0.0
         self.finished[r] += 1
+        if r is PIPELINE[-2] and seq.group_id is not None and PIPELINE[-1] in self.roles:
+            _, held = self.unreleased.get(seq.group_id, (seq.iteration, 0))
+            self.unreleased[seq.group_id] = (seq.iteration, held + 1)
+            self.unreleased_items += 1
         seq.state = SeqState.FINISHED
         seq.finished_at = now
         del self.seqs[seq.seq_id]

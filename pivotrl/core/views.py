@@ -8,7 +8,7 @@ has one responsibility: this one *describes* the roles, `planner` *chooses* a sh
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -183,7 +183,8 @@ def tail_s(state: ClusterState, view: RoleView) -> float:
     return left * sum(r.n for r in reps) / view.rate
 
 
-def keeps_up(state: ClusterState, views: dict[Role, RoleView], u: Role, arrive_s: float = 0.0) -> bool:
+def keeps_up(state: ClusterState, views: dict[Role, RoleView], u: Role, arrive_s: float = 0.0,
+             held: bool = False) -> bool:
     """Would the last stage `u` drain its work, and an item for each one the stages before it still hold,
     before the longest running item upstream ends, with the replicas it has now?
 
@@ -203,7 +204,12 @@ def keeps_up(state: ClusterState, views: dict[Role, RoleView], u: Role, arrive_s
     before the last rollouts ended, on 11 s shifts, and came back at the next opening. A device that would
     arrive sooner is left to the planner: on draw 40 rollout devices moved to train 13-17 s before the
     rollouts ended were what train's tail needed (docs/decisions.md, "The last stage waits out a longer
-    tail upstream of it")."""
+    tail upstream of it").
+
+    `held`: train's work also counts the judged items its groups still hold back (`ClusterState.unreleased`);
+    `behind_tail` asks so. Counted in every call, it let train take busy judge devices in the judge's tail
+    of iterations whose next opening wanted them back, cold (random draws 101 and 145: 0.9955 → 0.9514
+    and 0.9973 → 0.9757)."""
     plan = state.plan
     u_last, up, first = PIPELINE[-1], PIPELINE[-2], PIPELINE[0]
     if plan is None or u is not u_last or state.rollouts_unsubmitted():
@@ -223,7 +229,43 @@ def keeps_up(state: ClusterState, views: dict[Role, RoleView], u: Role, arrive_s
     if tail <= 0.0 or vu.rate <= 0.0:
         return False
     per_item = plan.train_tokens_per_group / max(plan.group_size, 1)
+    if held:
+        upstream += state.unreleased_items
     return (vu.work + upstream * per_item) / vu.rate < tail
+
+
+def behind_tail(state: ClusterState, views: dict[Role, RoleView]) -> float | None:
+    """Once the first stage is done: the seconds until the judge's longest running item may end (`tail_s`)
+    where the last stage, at work on replicas of its own, would not drain its work by then (`keeps_up`
+    with the held items fails), else None. (A last stage with no replica can only start once devices
+    reach it, which the planner already gives it; one with no work running has no rate to drain at.)
+
+    The last stage then holds the iteration up above that floor, as `drain_floor` says of a stage whose
+    upstream is done: what it has, what the judge still holds for it (each judged item waits for its
+    group) and the judgements to come end the iteration at its drain, later than the judge's tail.
+    Random draw 8 (64-item groups): with 10 judgements left, train held 627 judged items for their
+    groups; it took its devices only when the last judgement released them, and ended 1.4 s after it,
+    against 0.7 s on the best static split."""
+    u, up, first = PIPELINE[-1], PIPELINE[-2], PIPELINE[0]
+    if any(r not in views for r in PIPELINE) or not views[first].done or views[up].done:
+        return None
+    if views[u].replicas <= 0 or views[u].rate <= 0.0 or keeps_up(state, views, u, held=True):
+        return None
+    tail = tail_s(state, views[up])
+    return tail if tail > 0.0 else None
+
+
+def with_held(state: ClusterState, view: RoleView) -> RoleView:
+    """The last stage's `view` with the judged items its groups still hold back (`ClusterState.unreleased`)
+    as work arriving: the judge's tail releases them all. Only for `behind_tail`'s drain: elsewhere the
+    planner counts work over its horizon, and with that work there train took busy judge devices in the
+    middle of the judge's stage (random draw 18: 97 of 115, which the next iteration's judge then lacked)."""
+    plan = state.plan
+    if plan is None or state.unreleased_items <= 0:
+        return view
+    per_item = plan.train_tokens_per_group / max(plan.group_size, 1)
+    return replace(view, arriving_seqs=view.arriving_seqs + state.unreleased_items,
+                   arriving_work=view.arriving_work + state.unreleased_items * per_item)
 
 
 def _mark_done(state: ClusterState, base: dict[Role, dict]) -> None:

@@ -144,6 +144,26 @@ def test_stages_take_the_measured_profile_over_the_priors() -> None:
     assert choice.predicted_s[choice.mode] == min(choice.predicted_s.values())
 
 
+def test_a_train_step_holds_the_measured_items_not_the_fits_tokens_per_row() -> None:
+    """The train stage's step holds items of the measured mean size, whatever tokens per row the step-time
+    fit averaged (long micro-batches weigh more there): with 3x the item mean as its step's work, a split
+    ended a whole 16-item step later than its drain (random draw 48: 42 s predicted for a 27 s iteration,
+    and the split search gave train 88 more devices). The fit's seconds per token still price it."""
+    stt = _state()
+    costs = ShiftCostModel(prior_s=2.0)
+    model = stt.role_models[Role.TRAIN]
+    for n in (1, 2, 4, 8, 16):
+        model.observe(n, 0.01 + 1e-4 * n * 900.0, tokens=n * 900.0)
+    assert abs(model.tokens_per_seq_step - 900.0) < 1e-6
+    prof = IterationProfile(0, 30.0, "dynamic", 20.0, {Role.TRAIN: RoleProfile(64, 300.0, 900.0)})
+    got = stages(stt, costs, prof)
+    assert got is not None
+    tr = got[Role.TRAIN]
+    assert tr.k == 300.0 and tr.mean == 300.0
+    assert abs(tr.b - model.b) <= 1e-12
+    assert abs(float(tr.step(np.asarray(1.0))) - (model.a + model.b * 300.0)) < 1e-9
+
+
 @FEW
 @given(median=st.floats(20, 3000), sigma=st.floats(0.0, 1.5), n=st.integers(200, 6000),
        seed=st.integers(0, 99))

@@ -17,7 +17,7 @@ from pivotrl.core.shiftable import Shiftable
 from pivotrl.core.shiftcost import ShiftCostModel
 from pivotrl.core.state import ClusterState
 from pivotrl.core.types import SeqState
-from pivotrl.core.views import keeps_up, role_views, tail_s
+from pivotrl.core.views import behind_tail, keeps_up, role_views, tail_s
 
 from ._hyp import CI
 from .helpers import active_state, config, seq
@@ -228,3 +228,73 @@ def test_a_replicas_furthest_sequence_follows_its_running_sequences(seed: int) -
             most = max((s.generated for s in rep.running.values()), default=None)
             assert (far is None) == (most is None)
             assert far is None or (rep.running[far.seq_id] is far and far.generated == most)
+
+
+def _held_for_groups(stt: ClusterState, groups: int, judged_per_group: int, iteration: int = 0) -> None:
+    """Admit, run and finish `judged_per_group` judgements of each of `groups` groups (their other
+    members are still being judged, so none of them reaches train)."""
+    for g in range(groups):
+        for i in range(judged_per_group):
+            s = seq(f"h{iteration}-{g}-{i}", Role.REWARD, max_new=200, expected_new_tokens=150,
+                    group_id=f"g{iteration}-{g}", iteration=iteration)
+            stt.admit(s, 0.0)
+            stt.finish(s, 0.5)
+
+
+def test_judged_items_waiting_for_their_group_count_in_trains_drain() -> None:
+    """A judged item reaches train only with the rest of its group, so in the judge's tail train's drain
+    holds, besides its own work and an item per judgement left, every judged item still waiting: 1,600 of
+    them turn a train that keeps up into one that holds the iteration up, and the planner gives it the
+    idle judge replicas, and only those (`views.behind_tail` is its floor). Where the next opening wants
+    the devices back (`return_after`), train waits as before."""
+    stt = _judge_tail(judged=2, longest=2000.0, train_items=40)
+    views = role_views(stt, 10.0)
+    assert keeps_up(stt, views, Role.TRAIN)
+    _held_for_groups(stt, groups=2, judged_per_group=800)
+    assert stt.unreleased_items == 1600
+    views = role_views(stt, 10.0)
+    assert keeps_up(stt, views, Role.TRAIN) and not keeps_up(stt, views, Role.TRAIN, held=True)
+    assert behind_tail(stt, views) == tail_s(stt, views[Role.REWARD])
+    res = plan(stt, ShiftCostModel(prior_s=1.0), 1.0)
+    assert res.to_role is Role.TRAIN and res.chosen is not None
+    # only idle judge replicas move: a busy one would lengthen the tail that sets train's floor
+    assert res.donors and all(stt.replicas[d.replica_id].n == 0 for d in res.donors if d.replica_id)
+    res = plan(stt, ShiftCostModel(prior_s=1.0), 1.0, return_after={Role.REWARD: 5.0, Role.TRAIN: 5.0})
+    assert res.to_role is not Role.TRAIN
+
+
+def test_a_group_reaching_train_releases_its_held_items_and_old_groups_are_forgotten() -> None:
+    stt = _judge_tail(judged=2, longest=2000.0, train_items=0)
+    _held_for_groups(stt, groups=3, judged_per_group=4)
+    stt.admit(seq("t-g0-0", Role.TRAIN, prompt=0, max_new=100, group_id="g0-0"), 1.0)
+    assert stt.unreleased_items == 8
+    _held_for_groups(stt, groups=1, judged_per_group=2, iteration=1)
+    stt.forget_unreleased(1)
+    assert stt.unreleased_items == 2 and set(stt.unreleased) == {"g1-0"}
+
+
+@CI
+@given(events=st.lists(st.tuples(st.booleans(), st.integers(0, 5), st.integers(0, 2)), max_size=80),
+       forget=st.integers(0, 3))
+def test_held_items_are_the_judged_items_of_groups_not_yet_at_train(
+    events: list[tuple[bool, int, int]], forget: int
+) -> None:
+    """Any order of judgements finishing and train items arriving, by group and iteration: the held count is
+    the judgements of groups no train item arrived for since, and forgetting drops exactly the groups of
+    older iterations."""
+    stt = _judge_tail(judged=0, longest=2000.0, train_items=0)
+    want: dict[str, tuple[int, int]] = {}
+    for n, (judge, g, it) in enumerate(events):
+        gid = f"g{it}-{g}"
+        if judge:
+            s = seq(f"j{n}", Role.REWARD, max_new=100, group_id=gid, iteration=it)
+            stt.admit(s, 0.0)
+            stt.finish(s, 0.0)
+            want[gid] = (it, want.get(gid, (it, 0))[1] + 1)
+        else:
+            stt.admit(seq(f"t{n}", Role.TRAIN, prompt=0, max_new=100, group_id=gid, iteration=it), 0.0)
+            want.pop(gid, None)
+        assert stt.unreleased_items == sum(c for _, c in want.values())
+    stt.forget_unreleased(forget)
+    assert stt.unreleased_items == sum(c for it, c in want.values() if it >= forget)
+    assert set(stt.unreleased) == {k for k, (it, _) in want.items() if it >= forget}
