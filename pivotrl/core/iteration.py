@@ -151,7 +151,7 @@ def stages(
     if plan is None or not all(r in state.roles for r in PIPELINE):
         return None
     n = float(plan.rollout_seqs)
-    item = plan.train_tokens_per_group / max(plan.group_size, 1)
+    item = plan.train_tokens_per_item
     means = {
         Role.ROLLOUT: plan.rollout_tokens_per_seq,
         Role.REWARD: plan.reward_tokens_per_rollout,

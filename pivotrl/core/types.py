@@ -323,6 +323,11 @@ class IterationPlan:
         for name in ("rollout_tokens_tail", "reward_tokens_tail"):
             object.__setattr__(self, name, tuple(float(x) for x in getattr(self, name)))
 
+    @property
+    def train_tokens_per_item(self) -> float:
+        """Expected train tokens of one item (a group's tokens over its members)."""
+        return self.train_tokens_per_group / max(self.group_size, 1)
+
 
 @dataclass(eq=False)
 class Replica:

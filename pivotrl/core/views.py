@@ -228,7 +228,7 @@ def keeps_up(state: ClusterState, views: dict[Role, RoleView], u: Role, arrive_s
         return False
     if tail <= 0.0 or vu.rate <= 0.0:
         return False
-    per_item = plan.train_tokens_per_group / max(plan.group_size, 1)
+    per_item = plan.train_tokens_per_item
     if held:
         upstream += state.unreleased_items
     return (vu.work + upstream * per_item) / vu.rate < tail
@@ -263,7 +263,7 @@ def with_held(state: ClusterState, view: RoleView) -> RoleView:
     plan = state.plan
     if plan is None or state.unreleased_items <= 0:
         return view
-    per_item = plan.train_tokens_per_group / max(plan.group_size, 1)
+    per_item = plan.train_tokens_per_item
     return replace(view, arriving_seqs=view.arriving_seqs + state.unreleased_items,
                    arriving_work=view.arriving_work + state.unreleased_items * per_item)
 
@@ -387,8 +387,7 @@ def _add_upstream(state: ClusterState, base: dict[Role, dict], horizon: float) -
     _fold_prefill(state, rw, plan.reward_prompt_tokens)
     groups = completions(rw) / max(plan.group_size, 1)
     tr_tokens = groups * plan.train_tokens_per_group
-    per_item = (tr["work"] / tr["seqs"]) if tr["seqs"] > 0 else plan.train_tokens_per_group / max(
-        plan.group_size, 1)
+    per_item = (tr["work"] / tr["seqs"]) if tr["seqs"] > 0 else plan.train_tokens_per_item
     tr["arriving_work"] = tr_tokens
     tr["arriving_seqs"] = tr_tokens / per_item if per_item > 0 else 0.0
 
