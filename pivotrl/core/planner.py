@@ -58,6 +58,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 from pivotrl.core.decision import Candidate, PlanReasoning
 from pivotrl.core.shiftcost import ShiftCostModel
 from pivotrl.core.state import ClusterState
+from pivotrl.core.tail_migration import Residual
 from pivotrl.core.types import PIPELINE, Replica, ReplicaState, Role
 from pivotrl.core.views import (
     RoleView,
@@ -223,7 +224,8 @@ def arrival_s(costs: ShiftCostModel, u: Role) -> float:
 
 def plan(state: ClusterState, costs: ShiftCostModel, now: float, opens_colocated: bool = False,
          return_after: Mapping[Role, float] | None = None,
-         keep: Mapping[Role, int] | None = None, first_share: float = 1.0) -> PlanResult:
+         keep: Mapping[Role, int] | None = None, first_share: float = 1.0,
+         residuals: Mapping[Role, Residual] | None = None) -> PlanResult:
     """Run the five steps. Roles are tried as shift-up role in decreasing τ, after the role that holds the
     iteration up if one does (`drain_floor`); the first whose best candidate clears the margin wins. (A
     role can be furthest behind yet unable to use a device — a tail of fewer sequences than replicas — in
@@ -238,7 +240,9 @@ def plan(state: ClusterState, costs: ShiftCostModel, now: float, opens_colocated
     it (`Shiftable` passes the iteration's static split for train). Not to the first stage: at an
     iteration's start train's devices serve the rollouts, which end before train has work again.
     ``first_share``: the share of the devices the first stage opens the next iteration with, which a
-    lent first-stage device's trip back is charged over (`return_trip_s`)."""
+    lent first-stage device's trip back is charged over (`return_trip_s`).
+    ``residuals``: the generation roles' length profiles (`tail_migration.Residual`), which price the
+    judge's tail where train is behind it (`behind_tail`)."""
     cfg = state.config
     views = role_views(state, cfg.horizon_s, now)
     taus = tau(views)
@@ -256,7 +260,7 @@ def plan(state: ClusterState, costs: ShiftCostModel, now: float, opens_colocated
     behind = None
     if (last in floors and floors[last] is None and return_after is None
             and state.config.max_staleness == 0):
-        behind = behind_tail(state, views)
+        behind = behind_tail(state, views, (residuals or {}).get(PIPELINE[-2]))
     ranked = floors if behind is None else {**floors, last: behind}
     order = sorted((r for r in views if views[r].work > 0),
                    key=lambda r: (ranked[r] is None, -taus[r], -views[r].work, state.roles.index(r)))

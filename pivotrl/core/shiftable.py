@@ -158,7 +158,7 @@ class Shiftable(Policy):
         if return_after is not None and choice is not None and choice.static_split is not None:
             first_share = max(next_opening(state, choice)[PIPELINE[0]], 1) / len(state.device_role)
         result = planner.plan(state, costs, now, opens_colocated, return_after, train_keeps(state, choice),
-                              first_share)
+                              first_share, self.residuals)
         self.last = result
         if result.chosen is None or result.to_role is None:
             return serve_starving(state, now)

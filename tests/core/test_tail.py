@@ -4,8 +4,11 @@ prices that tail without walking sequences (`Replica.furthest`)."""
 
 from __future__ import annotations
 
+import math
 import random
 
+import numpy as np
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -16,6 +19,7 @@ from pivotrl.core.planner import plan
 from pivotrl.core.shiftable import Shiftable
 from pivotrl.core.shiftcost import ShiftCostModel
 from pivotrl.core.state import ClusterState
+from pivotrl.core.tail_migration import Residual, left_tokens
 from pivotrl.core.types import SeqState
 from pivotrl.core.views import behind_tail, keeps_up, role_views, tail_s
 
@@ -298,3 +302,71 @@ def test_held_items_are_the_judged_items_of_groups_not_yet_at_train(
     stt.forget_unreleased(forget)
     assert stt.unreleased_items == sum(c for it, c in want.values() if it >= forget)
     assert set(stt.unreleased) == {k for k, (it, _) in want.items() if it >= forget}
+
+
+def _short_profile() -> Residual:
+    """A judge length profile whose items are 80 tokens at the median and 160 at the longest of 100: an
+    item that has generated 100 tokens is expected to write ~30 more, not the plan's longest (2,000) less
+    its age."""
+    return Residual.from_points(np.asarray([0.9, 0.5, 0.1, 0.01]), np.asarray([40.0, 80.0, 120.0, 160.0]))
+
+
+def test_behind_the_judges_tail_its_length_profile_prices_the_tail() -> None:
+    """The conservative tail (the expected longest less the furthest item's age: 1,900 tokens) says train,
+    with its held items, drains before the judge is done, so it waits; the judge's length profile says
+    the furthest item has ~30 tokens left, and train, draining later than that, takes the idle judge
+    replicas, and only those (random draw 2: the tail was priced at 19 s with 9 s left, and train ended
+    1.4 s after the last judgement, against 0.3 s on the best static split). Where the next opening wants
+    the devices back the profile is not read and train waits."""
+    profile = _short_profile()
+    stt = _judge_tail(judged=2, longest=2000.0, train_items=40)
+    views = role_views(stt, 10.0)
+    rw, tr = views[Role.REWARD], views[Role.TRAIN]
+    lead = next(s for s in stt.seqs.values() if s.role is Role.REWARD)
+    rows = sum(r.n for r in stt.by_role[Role.REWARD].values())
+    short, long = tail_s(stt, rw, profile), tail_s(stt, rw)
+    assert short == pytest.approx(left_tokens(lead, profile) * rows / rw.rate)
+    assert 0.0 < short < long / 10
+    # held judgements that put train's drain halfway between the two
+    held = math.ceil((0.5 * (short + long) * tr.rate - tr.work) / 100.0 - rw.seqs)
+    _held_for_groups(stt, groups=2, judged_per_group=math.ceil(held / 2))
+    views = role_views(stt, 10.0)
+    assert behind_tail(stt, views) is None
+    assert behind_tail(stt, views, profile) == tail_s(stt, views[Role.REWARD], profile)
+    costs = ShiftCostModel(prior_s=1.0)
+    assert plan(stt, costs, 1.0).to_role is not Role.TRAIN
+    res = plan(stt, costs, 1.0, residuals={Role.REWARD: profile})
+    assert res.to_role is Role.TRAIN and res.donors
+    assert all(stt.replicas[d.replica_id].n == 0 for d in res.donors if d.replica_id)
+    back = {Role.REWARD: 5.0, Role.TRAIN: 5.0}
+    res = plan(stt, costs, 1.0, return_after=back, residuals={Role.REWARD: profile})
+    assert res.to_role is not Role.TRAIN
+
+
+@CI
+@given(ls=st.lists(st.floats(1.0, 1e4), min_size=1, max_size=6), age=st.integers(0, 2000),
+       judged=st.integers(1, 6), longest=st.floats(1.0, 1e4))
+def test_a_profiled_tail_is_what_an_item_of_the_leads_age_has_left(
+    ls: list[float], age: int, judged: int, longest: float
+) -> None:
+    """Any judge length profile and age of the furthest judgement: the tail is the item's expected
+    remaining tokens on the profile (its own estimate past the profile's longest), never above its budget;
+    while it is younger than the profile's longest item, never above what that item has left, so never
+    above the conservative tail where the plan expects a longest at least the profile's. (Not monotone in
+    the profile: scaling every length up can move an age from a long segment into a short one, whose
+    survivors have less left.)"""
+    profile = Residual.from_points(np.geomspace(0.9, 0.01, len(ls)), np.sort(np.asarray(ls)))
+    stt = _judge_tail(judged=judged, longest=longest, train_items=4)
+    for s in stt.seqs.values():
+        if s.role is Role.REWARD and s.state is SeqState.RUNNING:
+            stt.update_progress(s, age)
+    rw = role_views(stt, 10.0)[Role.REWARD]
+    lead = max((s for s in stt.seqs.values() if s.role is Role.REWARD), key=lambda s: s.generated)
+    per_token = sum(r.n for r in stt.by_role[Role.REWARD].values()) / rw.rate
+    got = tail_s(stt, rw, profile)
+    assert got == pytest.approx(max(left_tokens(lead, profile), 1.0) * per_token)
+    assert got <= max(lead.max_new_tokens - lead.generated, 1.0) * per_token * (1 + 1e-9)
+    if lead.generated < profile.ls[-1]:
+        assert got <= max(profile.ls[-1] - lead.generated, 1.0) * per_token * (1 + 1e-9)
+        if profile.ls[-1] <= longest:
+            assert got <= tail_s(stt, rw) * (1 + 1e-9)
