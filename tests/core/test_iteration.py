@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from pivotrl.core import Controller, IterationPlan, Role, RoleSpec
 from pivotrl.core.iteration import (
+    PLANNER_MARGIN,
     IterationChoice,
     IterationMeter,
     IterationProfile,
@@ -987,7 +988,8 @@ def test_a_saturated_judge_stage_ends_its_late_items_after_their_wait() -> None:
 
 def test_the_split_beats_the_planner_only_by_the_planners_measured_record() -> None:
     """`split_beats_planner`: the static prediction unscaled against the dynamic one scaled by what the
-    planner took last time over its prediction."""
+    planner took last time over its prediction; a planner predicted faster by less than `PLANNER_MARGIN`
+    is a tie, which the split wins."""
     def choice(static: float, dynamic: float, scale: float) -> IterationChoice:
         return IterationChoice("dynamic", {"static": static * scale, "dynamic": dynamic * scale,
                                            "colocated": 1e9}, {r: 1 for r in PIPELINE}, scale)
@@ -995,6 +997,9 @@ def test_the_split_beats_the_planner_only_by_the_planners_measured_record() -> N
     assert not choice(110.0, 100.0, 1.0).split_beats_planner()
     assert choice(110.0, 100.0, 1.2).split_beats_planner()     # the planner took 1.2x its bound
     assert not choice(130.0, 100.0, 1.2).split_beats_planner()
+    m = PLANNER_MARGIN
+    assert choice(100.0 * (1 + 0.9 * m), 100.0, 1.0).split_beats_planner()    # within the margin: a tie
+    assert not choice(100.0 * (1 + 1.1 * m), 100.0, 1.0).split_beats_planner()
 
 
 def test_a_later_iteration_opens_on_the_split_when_it_beats_the_planners_record() -> None:
