@@ -50,10 +50,11 @@ MODES = ("static", "dynamic", "colocated")
 #: How much faster the tick planner's measured record must predict an iteration than the predicted split
 #: for the iteration to open on the planner rather than on that split (`split_beats_planner`). The two
 #: predictions come from different models (the stage model unscaled; a fluid bound scaled by the one
-#: iteration the planner last ran), and an iteration's end moves with its longest item: the judge's end
-#: spread is 4-9 % of the makespan on the random draws, and iteration 1's makespan was 5-17 % off
-#: iteration 0's model on draws 2 and 124. A planner predicted faster by less than that is a tie, and
-#: ties go to the split that stays still (docs/decisions.md, "A planner within the noise is a tie").
+#: iteration the planner last ran), and an iteration's end moves with its longest item: the spread of
+#: the judge's end (`Stage.end_spread`, its standard deviation) is a median 4.5 % of the predicted makespan
+#: on the 15 random draws whose opening this margin decides, and the model of iteration 1 was 18 % off its
+#: run on draws 2 (over) and 124 (under). A planner predicted faster by less than the margin is a tie, and
+#: ties go to the split that stays still (docs/decisions.md, "a planner within the noise is a tie").
 PLANNER_MARGIN = 0.05
 
 
