@@ -355,3 +355,4 @@ class ClusterState:
             assert self.kv_sum[role] == sum(self.kv_need(s) for s in live), role
             want = sum(s.remaining_estimate() for s in live)
             assert abs(self.remaining[role] - want) < 1e-6 * (1 + want), role
+        assert self.unreleased_items == sum(n for _, n in self.unreleased.values()), "held judged items"
