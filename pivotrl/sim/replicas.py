@@ -48,6 +48,7 @@ class GenReplica:
     tokens: float = 0.0
     prefill_tokens: float = 0.0
     slow: float = 1.0  # step and prefill time multiplier: the host's cores shared (`set_slow`)
+    prefills: dict[str, tuple[float, float]] = field(default_factory=dict)  # item -> its prefill's span
 
     # -- analytic decode --------------------------------------------------------------------------
     def _coeffs(self) -> tuple[float, float]:
@@ -88,6 +89,7 @@ class GenReplica:
             _, iid = heapq.heappop(self.heap)
             r = self.running.pop(iid, None)
             if r is not None:
+                self.prefills.pop(iid, None)
                 self.k_sum -= r.prompt + r.gen0 - r.s0
                 self.g_sum -= r.gen0 - r.s0
                 done.append(r)
@@ -106,6 +108,7 @@ class GenReplica:
         pre = prefill_time(self.cost, ctx) * self.slow
         begin = max(now, self.paused_until)
         self.paused_until = begin + pre
+        self.prefills[item_id] = (begin, begin + pre)
         self.busy_time += pre
         self.prefill_tokens += ctx
         r = Running(item_id, prompt, generated, max(target, generated + 1), self.step)
@@ -126,6 +129,9 @@ class GenReplica:
             left = self.paused_until - now
             self.paused_until = now + left * slow / self.slow
             self.busy_time += left * (slow / self.slow - 1.0)
+            k = slow / self.slow
+            self.prefills = {i: (now + max(b - now, 0.0) * k, now + (e - now) * k) if e > now else (b, e)
+                             for i, (b, e) in self.prefills.items()}
         self.slow = slow
         self.version += 1
 
@@ -142,6 +148,7 @@ class GenReplica:
             gen = min(r.target - 1, r.gen0 + int(self.step - r.s0 + EPS))
             out.append((r.item_id, max(gen, r.gen0)))
         self.running.clear()
+        self.prefills.clear()
         self.heap.clear()
         self.k_sum = 0.0
         self.g_sum = 0.0
@@ -158,12 +165,29 @@ class GenReplica:
         self.advance(now)
         gen = max(self.generated_of(item_id), self.running[item_id].gen0)
         r = self.running.pop(item_id)
+        self._drop_prefill(now, item_id)
         self.k_sum -= r.prompt + r.gen0 - r.s0
         self.g_sum -= r.gen0 - r.s0
         if not self.running:
             self.k_sum = self.g_sum = 0.0
         self.version += 1
         return gen
+
+    def _drop_prefill(self, now: float, item_id: str) -> None:
+        """An aborted sequence's prefill not yet done is not done: the replica's pause shrinks by it and the
+        prefills queued behind it move up. Why: an engine prefills a waiting request when it admits it, so a
+        request aborted while it waits costs nothing; charging it held a replica handed a whole queue at an
+        iteration's start, then relieved of most of it by new replicas, ~2.6 s in prefills of prompts it
+        never ran (random draw 324, docs/decisions.md)."""
+        begin, end = self.prefills.pop(item_id, (0.0, 0.0))
+        left = end - max(begin, now)
+        if left <= 0.0:
+            return
+        self.paused_until -= left
+        self.busy_time -= left
+        for i, (b, e) in self.prefills.items():
+            if b >= end - EPS:
+                self.prefills[i] = (b - left, e - left)
 
     @property
     def load(self) -> int:
