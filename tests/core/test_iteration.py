@@ -1246,6 +1246,30 @@ def test_a_replica_has_left_what_is_to_come_and_what_it_cannot_have_done(stage: 
     assert float(stage.left_at(np.asarray(t + 1.0), fa, per, np.asarray(drain))) <= left + 1e-9 * mine
 
 
+@FEW
+@given(stage=stage_strategy(Role.REWARD), t=st.floats(0, 500), drain=st.floats(0.01, 500),
+       points=st.lists(st.tuples(st.floats(0, 500), st.floats(0, 1)), max_size=6))
+def test_a_replica_has_done_no_more_than_arrived_and_its_rate_since(
+        stage: Stage, t: float, drain: float, points: list[tuple[float, float]]) -> None:
+    """With arrival points (by s no more than 1 − fs of the items had arrived; later points fewer still
+    to come), the work left is at least fs of it less what the full rate decodes in t − s, for every
+    point; never more than all of the work; never more later; and never less than without the points."""
+    times = sorted(p[0] for p in points)
+    fracs = sorted((p[1] for p in points), reverse=True)
+    arrivals = tuple((np.asarray(s), fs) for s, fs in zip(times, fracs))
+    fa = min([fs for s, fs in zip(times, fracs) if s <= t], default=1.0)  # still to come at t, at most
+    per = np.asarray(max(stage.seqs / 3.0, 1.0))
+    mine = float(per) * stage.mean
+    rate = mine / drain
+    left = float(stage.left_at(np.asarray(t), fa, per, np.asarray(drain), arrivals))
+    for s, fs in zip(times, fracs):
+        assert left >= fs * mine - rate * max(t - s, 0.0) - 1e-9 * mine
+    assert left >= float(stage.left_at(np.asarray(t), fa, per, np.asarray(drain))) - 1e-9 * mine
+    assert left <= mine * (1.0 + 1e-9)
+    later = float(stage.left_at(np.asarray(t + 1.0), fa, per, np.asarray(drain), arrivals))
+    assert later <= left + 1e-9 * mine
+
+
 def test_train_keeps_the_splits_share_on_policy_on_a_split() -> None:
     """On-policy, with the iteration on a static split, train keeps that split's replicas from the judge;
     with staleness, with a colocated opening, or without a choice, nothing is kept."""
