@@ -26,6 +26,7 @@ from pivotrl.core.iteration import (
 from pivotrl.core.makespan import (
     GROUP_FRACTIONS,
     best_static,
+    colocated_makespan,
     dynamic_makespan,
     group_lag,
     groups_complete,
@@ -1268,6 +1269,26 @@ def test_a_replica_has_done_no_more_than_arrived_and_its_rate_since(
     assert left <= mine * (1.0 + 1e-9)
     later = float(stage.left_at(np.asarray(t + 1.0), fa, per, np.asarray(drain), arrivals))
     assert later <= left + 1e-9 * mine
+
+
+@FEW
+@given(stages=stages_strategy, n=st.integers(1, 512))
+def test_colocated_trains_its_share_then_one_item_at_most(stages: dict[Role, Stage], n: int) -> None:
+    """Colocated's train stage, every item there at once, ends between its drain and one item after it
+    (one item on one replica, `item_grain`); it was one micro-batch after it, a whole replica's share
+    where items are few. Never above that, never below the drains."""
+    fixed = sum(s.shift_s + float(s.sync(np.asarray(float(max(n // s.g, 1))))) for s in stages.values())
+    drains = sum(float(s.timing(np.asarray(float(max(n // s.g, 1))))[0]) for s in stages.values())
+    ends = sum(float(s.timing(np.asarray(float(max(n // s.g, 1))))[1]) for s in stages.values())
+    tr = stages[Role.TRAIN]
+    m = float(max(n // tr.g, 1))
+    t = colocated_makespan(stages, n)
+    assert t <= ends + fixed + 1e-9 * max(ends, 1.0)
+    assert t >= drains + fixed - 1e-9 * max(drains, 1.0)
+    others = sum(float(s.timing(np.asarray(float(max(n // s.g, 1))))[1]) for r, s in stages.items()
+                 if r is not Role.TRAIN)
+    assert t <= others + float(tr.timing(np.asarray(m))[0]) + tr.last_item_s() / float(tr.dp_speed(
+        np.asarray(m))) + fixed + 1e-9 * max(t, 1.0)
 
 
 def test_train_keeps_the_splits_share_on_policy_on_a_split() -> None:
