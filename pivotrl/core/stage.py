@@ -217,10 +217,15 @@ class Stage:
         return np.where(per > conc, np.maximum(fluid, renewal), fluid)
 
     @cached_property
+    def _survival(self) -> tuple[np.ndarray, np.ndarray]:
+        """(x, `longer_than`(x)) on a grid from 0 to the longest item: what the length integrals read."""
+        x = np.linspace(0.0, self.longest, 257)
+        return x, self.longer_than(x)
+
+    @cached_property
     def _moments(self) -> tuple[float, float]:
         """E[length] and E[length²] of the length profile (integrals of `longer_than`)."""
-        x = np.linspace(0.0, self.longest, 257)
-        p = self.longer_than(x)
+        x, p = self._survival
         return float(np.trapezoid(p, x)), float(np.trapezoid(2.0 * x * p, x))
 
     @cached_property
@@ -359,9 +364,9 @@ class Stage:
         at a third of their delay (random draw 418: rollouts 8.5 s later moved the predicted end by 3.3 s,
         the simulator's by 7.5 s, and the model ranked the split with the slowest rollouts best)."""
         mine = per * self.mean
-        out = np.maximum(fa * mine, mine * np.maximum(0.0, 1.0 - t / np.maximum(drain, 1e-12)))
+        out = fa * mine
         rate = mine / np.maximum(drain, 1e-12)
-        for s, fs in arrivals:
+        for s, fs in ((0.0, 1.0), *arrivals):  # every item arrives at 0 or later
             out = np.maximum(out, fs * mine - rate * np.maximum(t - s, 0.0))
         if arrivals and self.decode:
             out = np.maximum(out, mine * (1.0 - self._decoded_since(t, arrivals)))
@@ -387,8 +392,7 @@ class Stage:
     @cached_property
     def _decoded_curve(self) -> tuple[np.ndarray, np.ndarray]:
         """(steps x, E[min(L, x)] / E[L]) on a grid to the longest item (integrals of `longer_than`)."""
-        x = np.linspace(0.0, self.longest, 257)
-        p = self.longer_than(x)
+        x, p = self._survival
         cum = np.concatenate(([0.0], np.cumsum(0.5 * (p[1:] + p[:-1]) * np.diff(x))))
         return x, cum / max(float(cum[-1]), 1e-12)
 
