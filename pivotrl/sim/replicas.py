@@ -93,6 +93,8 @@ class GenReplica:
                 self.k_sum -= r.prompt + r.gen0 - r.s0
                 self.g_sum -= r.gen0 - r.s0
                 done.append(r)
+        if not self.running:  # as in `abort_one`: no rounding residue left to refuse an item that fits
+            self.k_sum = self.g_sum = 0.0
         return done
 
     # -- admission / abort ------------------------------------------------------------------------
