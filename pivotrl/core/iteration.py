@@ -31,6 +31,8 @@ from pivotrl.core.makespan import (
     best_static,
     colocated_makespan,
     dynamic_makespan,
+    lent_split,
+    loaned_makespan,
     moved_makespan,
     static_makespans,
     work_arrives,
@@ -272,6 +274,7 @@ class IterationChoice:
     handoff_s: float = 0.0  # mean seconds for a device to take up a downstream role
     first_work_s: dict[Role, float] = field(default_factory=dict)  # a role's first item, on the split
     half_work_s: dict[Role, float] = field(default_factory=dict)  # half of a role's items, on the split
+    loan_pays: bool = True  # the split opened with its idle downstream devices lent is predicted faster
 
     def split_beats_planner(self) -> bool:
         """The static split's own prediction is below the tick planner's once the planner's measured record
@@ -343,7 +346,10 @@ def choose(
     first = st[PIPELINE[0]]
     _, alone = first.timing(np.asarray(float(max(n // first.g, 1))))
     handoff = sum(st[r].shift_s for r in PIPELINE[1:]) / (len(PIPELINE) - 1)
+    first_work = work_arrives(st, split)
+    opening = lent_split(split, first_work, state.config.cooldown_s + handoff, {r: st[r].g for r in PIPELINE})
+    loan_pays = loaned_makespan(st, split, opening, first_work, t_static) < t_static
     return IterationChoice(mode, {m: v * scale for m, v in pred.items()}, split, scale, float(alone), handoff,
-                           work_arrives(st, split), work_arrives(st, split, 0.5))
+                           first_work, work_arrives(st, split, 0.5), loan_pays)
 
 

@@ -10,11 +10,11 @@ are" (the static split) wins ties, so shifting has to predict itself faster to b
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 
 from pivotrl.core import planner
 from pivotrl.core.iteration import IterationChoice, IterationProfile, choose, stages
+from pivotrl.core.makespan import lent_split
 from pivotrl.core.policies import Colocated, Policy, ShiftPlan
 from pivotrl.core.shiftcost import ShiftCostModel
 from pivotrl.core.state import ClusterState
@@ -256,24 +256,17 @@ def opening_split(state: ClusterState, choice: IterationChoice) -> dict[Role, in
     """The first placement of an iteration whose first stage outlasts the placement lock: the predicted
     split, except that a downstream role whose first item is predicted later than a cooldown plus a shift
     (train waiting for its first complete group) keeps one replica and lends the rest of its share to the
-    first stage. Those devices would idle until then anyway, and the first stage can use them until they
-    could be moved back; a role that gets work early keeps its share and streams from the start (putting
-    every device on the first stage made the downstream stages wait for shifts: 0.85 of the best static
-    split on a cold 242-device draw)."""
+    first stage (`makespan.lent_split`), where the model predicts that the loan pays
+    (`IterationChoice.loan_pays`). Those devices would idle until then anyway, and the first stage can use
+    them until they could be moved back; a role that gets work early keeps its share and streams from the
+    start (putting every device on the first stage made the downstream stages wait for shifts: 0.85 of the
+    best static split on a cold 242-device draw)."""
     assert choice.static_split is not None
-    split = dict(choice.static_split)
-    first = PIPELINE[0]
-    if first not in split:
-        return split
-    wait = state.config.cooldown_s + choice.handoff_s
-    for role in PIPELINE[1:]:
-        g = state.config.devices_per_replica(role)
-        if role in split and split[role] > g and choice.first_work_s.get(role, 0.0) > wait:
-            whole = math.lcm(g, state.config.devices_per_replica(first))   # whole replicas on both sides
-            lent = (split[role] - g) // whole * whole
-            split[first] += lent
-            split[role] -= lent
-    return split
+    if not choice.loan_pays:
+        return dict(choice.static_split)
+    per_replica = {r: state.config.devices_per_replica(r) for r in PIPELINE}
+    return lent_split(choice.static_split, choice.first_work_s, state.config.cooldown_s + choice.handoff_s,
+                      per_replica)
 
 
 def toward_split(state: ClusterState, split: Mapping[Role, int]) -> ShiftPlan | None:

@@ -57,6 +57,20 @@ def arrival_points(up_emitted: dict[float, np.ndarray], n: float,
     return counts, times
 
 
+def still_to_come(tau: np.ndarray, arrivals: tuple[tuple[np.ndarray, float], ...]) -> np.ndarray:
+    """The fraction of a stage's items not yet arrived at `tau`, piecewise linear between the `arrivals`
+    points ((s, fs): all but fs arrived by s) from all to come at 0; none after the last point. Each
+    segment takes off its share as `tau` crosses it."""
+    out = np.ones(np.shape(tau))
+    prev_s: np.ndarray | float = 0.0
+    prev_f = 1.0
+    for s, fs in sorted(arrivals, key=lambda p: -p[1]):
+        w = np.clip((tau - prev_s) / np.maximum(s - prev_s, 1e-12), 0.0, 1.0)
+        out = out - max(prev_f - fs, 0.0) * w
+        prev_s, prev_f = s, min(prev_f, fs)
+    return np.where(tau > prev_s, 0.0, np.clip(out, 0.0, 1.0)) if arrivals else out
+
+
 def tail_lengths(lengths: np.ndarray) -> tuple[float, ...]:
     """The lengths exceeded by each of `TAIL_FRACTIONS` of `lengths` (empty for no lengths)."""
     if lengths.size == 0:
@@ -318,10 +332,11 @@ class Stage:
         stage ends them (`up_emitted`: upstream fraction fa -> when all but fa of them have ended): of the
         fa·n last to arrive, a fraction f/fa is at least `length_at(f/fa)` long and runs after its
         prefill, beside the work its replica has left then (`left_at`: what arrives with it or later, and
-        what the replica could not have done by then), and after the prefills of the items
-        arriving with it (half of them, on average, go first: a burst of arrivals pauses the replica once
-        per prompt). Nor can the fa·n items be done sooner than their share of the drain after their
-        arrival begins. Never before its own emission with every item available."""
+        what the replica could not have done by then), and paused by the prefills of the items reaching
+        its replica after the first of those f·n long items, on average fa·f·n / (f·n + 1) of them, until it
+        ends (`paused_by_arrivals`: a burst of arrivals pauses the replica once per prompt). Nor can the
+        fa·n items be done sooner than their share of the drain after their arrival begins, nor the first
+        1 − f before they arrive. Never before its own emission with every item available."""
         return self.afters(up_emitted, m, (f,))[0]
 
     def afters(self, up_emitted: dict[float, np.ndarray], m: np.ndarray,
@@ -329,22 +344,50 @@ class Stage:
         """`after` at each of `fs`, the stage's drain and batch computed once for all of them; `starts` is
         `admitted(up_emitted, m)` when the caller has it already."""
         drain, per, conc, q = self._queue(m)
+        n = max(self.seqs, 1.0)
         if starts is None:
             starts = self.admitted(up_emitted, m)
         arrivals = tuple((t, fa) for fa, t in starts.items())
         lefts = {fa: self.left_at(t, fa, per, drain, arrivals) for fa, t in starts.items()}
+        first = max(starts)  # the earliest arrivals' point: all but `first` arrived by then
         out = []
         for f in fs:
             own = self._emitted(f, drain, per, conc, q)
+            if f > first:  # an item ends after it arrives: 1 − f of them arrive by then, linearly from 0
+                own = np.maximum(own, starts[first] * (1.0 - f) / max(1.0 - first, 1e-12) + self.prefill_s)
             for fa, t in starts.items():
                 if fa >= f:
                     length = self.length_at(np.asarray(f / fa))
-                    left = lefts[fa]
-                    prefill = self.prefill_s * (1.0 + 0.5 * fa * per)
-                    own = np.maximum(own, t + self.run_with(left, length, conc) + prefill)
+                    run = self.run_with(lefts[fa], length, conc) + self.prefill_s
+                    behind = fa * f * n / (f * n + 1.0)  # still to come when the first long item arrives
+                    paused = self.paused_by_arrivals(t, run, fa, behind, per, conc, drain, arrivals)
+                    own = np.maximum(own, t + run + paused)
                     own = np.maximum(own, t + (fa - f) * drain)
             out.append(own)
         return out
+
+    def paused_by_arrivals(self, t: np.ndarray, run: np.ndarray, fa: float, behind: float, per: np.ndarray,
+                           conc: np.ndarray, drain: np.ndarray,
+                           arrivals: tuple[tuple[np.ndarray, float], ...]) -> np.ndarray:
+        """Seconds an item starting at `t`, with a fraction `fa` of the stage's items still to come and
+        `behind` of them after it, is paused over its `run` (decode alone) by other items' prefills: a
+        replica prefills a prompt when it admits it, and its whole batch waits meanwhile. It admits the
+        items reaching it before the item ends (of the `behind`), but no more than its free slots at `t`
+        (its batch `conc` less the items that came before, if none has ended) and the slots that free
+        meanwhile, at its drain's rate (a prefill share ρ of its time; ρ ≤ 0.9). Two rounds of the fixed
+        point in the arrivals (each pause lets more items arrive before the end). Why: a judge replica
+        handed its rollouts in a burst prefills them all while its first judgements wait; on random draw
+        18 (54 judgements per replica arriving within 1.3 s, 3.4 s of prefill) the model's judgements
+        ended 2.5 s before the simulator's, and it ranked a split with fewer train replicas best."""
+        free = np.maximum(conc - (1.0 - fa) * per, 0.0)
+        rho = np.minimum(per * self.prefill_s / np.maximum(drain, 1e-12), 0.9)  # the drain's prefill share
+        slots = self.prefill_s * free + run * rho
+        slots = slots / (1.0 - rho)  # the fixed point of pause = prefill · (free + (run + pause) · rate)
+        pause = np.zeros(np.shape(t))
+        for _ in range(2):
+            come = np.maximum(behind - still_to_come(t + run + pause, arrivals), 0.0) * per
+            pause = np.minimum(self.prefill_s * come, slots)
+        return pause
 
     def left_at(self, t: np.ndarray, fa: float, per: np.ndarray, drain: np.ndarray,
                 arrivals: tuple[tuple[np.ndarray, float], ...] = ()) -> np.ndarray:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 
 import numpy as np
 import pytest
@@ -31,7 +32,10 @@ from pivotrl.core.makespan import (
     group_lag,
     groups_complete,
     item_grain,
+    late_work_shares,
     later_of,
+    lent_split,
+    loaned_makespan,
     member_left,
     moved_makespan,
     ranked,
@@ -40,7 +44,7 @@ from pivotrl.core.makespan import (
 )
 from pivotrl.core.shiftable import Shiftable, opening_split, return_loans, toward_split, train_keeps
 from pivotrl.core.shiftcost import ShiftCostModel
-from pivotrl.core.stage import LAST_END_STEPS, MEDIAN, TAIL_FRACTIONS, Stage, tail_lengths
+from pivotrl.core.stage import LAST_END_STEPS, MEDIAN, TAIL_FRACTIONS, Stage, still_to_come, tail_lengths
 from pivotrl.core.state import ClusterState
 from pivotrl.core.types import PIPELINE, ControllerConfig, ReplicaState
 
@@ -683,11 +687,30 @@ def test_a_long_first_stage_opens_on_the_split_less_the_late_roles_share() -> No
     assert choice is not None and choice.static_split is not None
     split = {Role.ROLLOUT: 2, Role.REWARD: 2, Role.TRAIN: 4}
     policy.choice = dataclasses.replace(choice, static_split=split, first_stage_alone_s=100.0, handoff_s=1.0,
-                                        first_work_s={Role.REWARD: 0.5, Role.TRAIN: 50.0})
+                                        first_work_s={Role.REWARD: 0.5, Role.TRAIN: 50.0}, loan_pays=True)
     dec = ctl.tick(0.0)
     assert dec is not None and dec.stimulus == "initial:opening"
     placed = {r: sum(len(s.devices) for s in dec.shifts if s.to_role is r) for r in PIPELINE}
     assert placed == {Role.ROLLOUT: 5, Role.REWARD: 2, Role.TRAIN: 1}
+
+
+def test_a_long_first_stage_opens_on_its_split_where_the_loan_is_priced_slower() -> None:
+    """The same opening, where the model prices the loan slower than the split (`loan_pays`): nothing
+    is lent."""
+    roles = {r: RoleSpec(max_seqs=64, kv_tokens=10**6) for r in PIPELINE}
+    cfg = ControllerConfig(roles=roles, cooldown_s=1.0)
+    policy = Shiftable()
+    ctl = Controller(policy, devices=[f"d{i}" for i in range(8)], config=cfg)
+    ctl.begin_iteration(IterationPlan(0, rollout_seqs=48, group_size=4, rollout_tokens_per_seq=8), 0.0)
+    choice = policy.choice
+    assert choice is not None and choice.static_split is not None
+    split = {Role.ROLLOUT: 2, Role.REWARD: 2, Role.TRAIN: 4}
+    policy.choice = dataclasses.replace(choice, static_split=split, first_stage_alone_s=100.0, handoff_s=1.0,
+                                        first_work_s={Role.REWARD: 0.5, Role.TRAIN: 50.0}, loan_pays=False)
+    dec = ctl.tick(0.0)
+    assert dec is not None
+    placed = {r: sum(len(s.devices) for s in dec.shifts if s.to_role is r) for r in PIPELINE}
+    assert placed == split
 
 
 def test_lent_devices_go_home_once_the_first_stage_has_nothing_left_to_start() -> None:
@@ -702,7 +725,7 @@ def test_lent_devices_go_home_once_the_first_stage_has_nothing_left_to_start() -
     policy.choice = dataclasses.replace(policy.choice, static_split={Role.ROLLOUT: 2, Role.REWARD: 2,
                                                                      Role.TRAIN: 4},
                                         first_stage_alone_s=100.0, handoff_s=1.0,
-                                        first_work_s={Role.REWARD: 0.5, Role.TRAIN: 50.0})
+                                        first_work_s={Role.REWARD: 0.5, Role.TRAIN: 50.0}, loan_pays=True)
     dec = ctl.tick(0.0)
     assert dec is not None and dec.stimulus == "initial:opening"
     assert policy.loans == {Role.TRAIN: 3}
@@ -849,7 +872,7 @@ def test_ranked_looks_past_the_bound_where_the_last_judgement_decides() -> None:
     n = 2890.0
     fr = len(TAIL_FRACTIONS)
     ro = Stage(Role.ROLLOUT, 1, n, 880.0, 2640.0, 0.008, 4e-5, 1.0, 256.0, 1.0, True, 0.003,
-               tuple(np.geomspace(528.0, 2508.0, fr)))
+               tuple(np.geomspace(200.0, 2508.0, fr)))
     rw = Stage(Role.REWARD, 2, n, 351.6, 1053.0, 0.02, 8e-5, 1.0, 256.0, 1.0, True, 0.01,
                tuple(np.geomspace(146.5, 1000.0, fr)))
     tr = Stage(Role.TRAIN, 1, n, 1000.0, 3000.0, 1e-3, 2e-5, 1000.0, 16.0, 1.0, False, group=1)
@@ -1324,3 +1347,132 @@ def test_a_first_placement_pays_only_the_way_back(stg: dict[Role, Stage], n: int
         stg[Role.REWARD].last_item_s() + stg[Role.TRAIN].last_item_s()
     if fluid + one_way >= chain:
         assert placed - free == pytest.approx(one_way, rel=1e-9, abs=1e-9)
+
+
+@FEW
+@given(points=st.lists(st.tuples(st.floats(0, 500), st.floats(0, 1)), max_size=6),
+       taus=st.lists(st.floats(-10, 600), min_size=2, max_size=6))
+def test_what_is_still_to_come_falls_from_all_to_none_through_the_arrival_points(
+        points: list[tuple[float, float]], taus: list[float]) -> None:
+    """`still_to_come` is a fraction, never rises with time, is all until time 0, no less than fs at an
+    arrival point (s, fs) and no more after it, and none after the last point."""
+    times = sorted(p[0] for p in points)
+    fracs = sorted((p[1] for p in points), reverse=True)
+    arrivals = tuple((np.asarray(s), fs) for s, fs in zip(times, fracs))
+    left = [float(still_to_come(np.asarray(t), arrivals)) for t in sorted(taus)]
+    assert all(0.0 <= x <= 1.0 for x in left)
+    assert all(b <= a + 1e-12 for a, b in itertools.pairwise(left))
+    assert float(still_to_come(np.asarray(min([*taus, 0.0])), arrivals)) == 1.0
+    for s, fs in zip(times, fracs):
+        assert float(still_to_come(np.asarray(s), arrivals)) >= fs - 1e-9
+        assert float(still_to_come(np.asarray(s + 1e-6 * (1.0 + s)), arrivals)) <= fs + 1e-9
+    if arrivals:
+        assert float(still_to_come(np.asarray(times[-1] + 1.0), arrivals)) == 0.0
+
+
+@FEW
+@given(stage=stage_strategy(Role.REWARD), t=st.floats(0, 100), run=st.floats(0, 100), more=st.floats(0, 50),
+       fa=st.floats(0, 1), part=st.floats(0, 1), drain=st.floats(0.01, 500), per=st.floats(1, 1000),
+       conc=st.floats(1, 256), points=st.lists(st.tuples(st.floats(0, 500), st.floats(0, 1)), max_size=6))
+def test_an_item_is_paused_by_no_more_prefills_than_reach_its_replica_or_its_slots_admit(
+        stage: Stage, t: float, run: float, more: float, fa: float, part: float, drain: float, per: float,
+        conc: float, points: list[tuple[float, float]]) -> None:
+    """The pause is never negative, never more than the prefills of every item behind it, never more than
+    its replica's free slots and the slots its drain frees over the run and the pause admit, and never
+    shorter for a longer run."""
+    times = sorted(p[0] for p in points)
+    fracs = sorted((p[1] for p in points), reverse=True)
+    arrivals = tuple((np.asarray(s), fs) for s, fs in zip(times, fracs))
+    behind = fa * part
+
+    def pause_over(r: float) -> float:
+        return float(stage.paused_by_arrivals(np.asarray(t), np.asarray(r), fa, behind, np.asarray(per),
+                                              np.asarray(min(conc, per)), np.asarray(drain), arrivals))
+
+    pause, longer = pause_over(run), pause_over(run + more)
+    free = max(min(conc, per) - (1.0 - fa) * per, 0.0)
+    assert 0.0 <= pause <= stage.prefill_s * per * behind * (1 + 1e-9) + 1e-12
+    assert pause <= stage.prefill_s * (free + (run + pause) * per / drain) * (1 + 1e-9) + 1e-12
+    assert longer >= pause - 1e-9 * max(pause, 1.0)
+
+
+@FEW
+@given(stages=stages_strategy, m=st.tuples(st.floats(1, 64), st.floats(1, 64)), n=st.floats(2, 20000))
+def test_the_last_groups_to_complete_hold_at_least_their_share_of_train_work(
+        stages: dict[Role, Stage], m: tuple[float, float], n: float) -> None:
+    """The share of train's work in the last fg of the groups is a share, no less than fg (the groups
+    completing last hold the long responses, or groups at random), and grows with fg."""
+    ro, rw, tr = (stages[r] for r in PIPELINE)
+    fgs = tuple(sorted(GROUP_FRACTIONS))
+    shares = [float(x) for x in late_work_shares(ro, rw, tr, np.asarray(m[0]), np.asarray(m[1]), fgs,
+                                                 tr.group, n)]
+    for fg, share in zip(fgs, shares):
+        assert fg - 1e-9 <= share <= 1.0 + 1e-9
+    assert all(b >= a - 1e-9 for a, b in itertools.pairwise(shares))
+
+
+@FEW
+@given(split=st.tuples(st.integers(0, 64), st.integers(0, 64), st.integers(0, 64)),
+       g=st.tuples(st.integers(1, 4), st.integers(1, 4), st.integers(1, 4)),
+       work=st.tuples(st.floats(0, 60), st.floats(0, 60)), wait=st.floats(0, 40))
+def test_an_opening_lends_whole_replicas_of_late_roles_and_keeps_one_of_each(
+        split: tuple[int, int, int], g: tuple[int, int, int], work: tuple[float, float], wait: float) -> None:
+    """What the opening lends the first stage comes from roles whose first item is later than the wait, in
+    whole replicas on both sides, each lending role keeps one replica, and no device is made or lost."""
+    per_replica = dict(zip(PIPELINE, g))
+    base = {r: n * per_replica[r] for r, n in zip(PIPELINE, split)}
+    first_work = dict(zip(PIPELINE[1:], work))
+    out = lent_split(base, first_work, wait, per_replica)
+    assert sum(out.values()) == sum(base.values())
+    for r in PIPELINE[1:]:
+        lent = base[r] - out[r]
+        assert lent >= 0
+        if lent:
+            assert first_work[r] > wait and out[r] >= per_replica[r]
+            assert lent % math.lcm(per_replica[r], per_replica[PIPELINE[0]]) == 0
+
+
+@FEW
+@given(stages=stages_strategy, n=st.integers(3, 256), work=st.floats(0, 30))
+def test_a_loan_is_priced_as_its_split_or_as_the_lent_devices_never_coming_home(
+        stages: dict[Role, Stage], n: int, work: float) -> None:
+    """Without a loan the price is the split's own. A lent device counts in its home role as the share of
+    the role's span it is back for: with a home shift longer than the split's whole time, none (the
+    opening's replicas downstream, the first stage's with the loan)."""
+    g = {r: stages[r].g for r in PIPELINE}
+    if n < sum(g.values()):
+        return
+    split = {r: g[r] for r in PIPELINE}
+    split[Role.TRAIN] += (n - sum(split.values())) // g[Role.TRAIN] * g[Role.TRAIN]
+    reps = {r: np.asarray([float(split[r] // g[r])]) for r in PIPELINE}
+    t_split = float(static_makespans(stages, reps)[0])
+    first_work = {Role.REWARD: 0.0, Role.TRAIN: work}
+    assert loaned_makespan(stages, split, split, first_work, t_split) == t_split
+    opening = lent_split(split, first_work, 0.0, g)
+    never = {r: dataclasses.replace(s, shift_s=s.shift_s + 2.0 * t_split + 1.0) for r, s in stages.items()}
+    kept = {r: np.asarray([float(opening[r] // g[r])]) for r in PIPELINE}
+    assert loaned_makespan(never, split, opening, first_work, t_split) == pytest.approx(
+        float(static_makespans(stages, kept)[0]), rel=1e-12)
+
+
+@FEW
+@given(stages=stages_strategy, m=st.tuples(st.floats(1, 64), st.floats(1, 64)))
+def test_a_groups_lag_grows_with_the_judges_queue_only_where_it_queues(
+        stages: dict[Role, Stage], m: tuple[float, float]) -> None:
+    """The lag is the longest of g members' lengths over the typical one's, at each stage's step, and at
+    most (g / (g + 1) − 1/2) of the judge's queued drain more: none where a judge replica holds all of
+    its items at once."""
+    ro, rw, tr = (stages[r] for r in PIPELINE)
+    g = max(tr.group, 1)
+    m_ro, m_rw = np.asarray(m[0]), np.asarray(m[1])
+    lag = float(group_lag(ro, rw, m_ro, m_rw, g))
+    if g == 1:
+        assert lag == 0.0
+        return
+    lengths = sum(max(float(s.length_at(np.asarray(1.0 / (g + 1.0))) - s.length_at(np.asarray(0.5))), 0.0)
+                  * float(s._batch(x)[2]) for s, x in ((ro, m_ro), (rw, m_rw)))
+    queued = float(rw._queue(m_rw)[3])
+    assert lengths - 1e-9 * (1.0 + lengths) <= lag
+    assert lag <= lengths + (g / (g + 1.0) - 0.5) * queued + 1e-9 * (1.0 + lag)
+    if queued == 0.0:
+        assert lag == pytest.approx(lengths, rel=1e-12, abs=1e-12)
