@@ -675,9 +675,15 @@ def test_a_larger_share_of_a_roles_work_arrives_no_sooner(stg: dict[Role, Stage]
         assert first[r] <= half[r] * (1 + 1e-9) + 1e-9
         assert early[r] <= late[r] * (1 + 1e-9) + 1e-9
 
-def test_a_long_first_stage_opens_on_the_split_less_the_late_roles_share() -> None:
+@pytest.mark.parametrize(("loan_pays", "placed"), [
+    (True, {Role.ROLLOUT: 5, Role.REWARD: 2, Role.TRAIN: 1}),
+    (False, {Role.ROLLOUT: 2, Role.REWARD: 2, Role.TRAIN: 4}),
+])
+def test_a_long_first_stage_opens_on_the_split_less_the_late_roles_share(
+        loan_pays: bool, placed: dict[Role, int]) -> None:
     """Not short (the first stage outlasts a cooldown plus a shift): the first placement is
-    `opening_split`, so train, whose first group is predicted late, starts with one replica."""
+    `opening_split`, so train, whose first group is predicted late, starts with one replica; where the
+    model prices that loan slower than the split (`loan_pays`), nothing is lent."""
     roles = {r: RoleSpec(max_seqs=64, kv_tokens=10**6) for r in PIPELINE}
     cfg = ControllerConfig(roles=roles, cooldown_s=1.0)
     policy = Shiftable()
@@ -687,30 +693,11 @@ def test_a_long_first_stage_opens_on_the_split_less_the_late_roles_share() -> No
     assert choice is not None and choice.static_split is not None
     split = {Role.ROLLOUT: 2, Role.REWARD: 2, Role.TRAIN: 4}
     policy.choice = dataclasses.replace(choice, static_split=split, first_stage_alone_s=100.0, handoff_s=1.0,
-                                        first_work_s={Role.REWARD: 0.5, Role.TRAIN: 50.0}, loan_pays=True)
-    dec = ctl.tick(0.0)
-    assert dec is not None and dec.stimulus == "initial:opening"
-    placed = {r: sum(len(s.devices) for s in dec.shifts if s.to_role is r) for r in PIPELINE}
-    assert placed == {Role.ROLLOUT: 5, Role.REWARD: 2, Role.TRAIN: 1}
-
-
-def test_a_long_first_stage_opens_on_its_split_where_the_loan_is_priced_slower() -> None:
-    """The same opening, where the model prices the loan slower than the split (`loan_pays`): nothing
-    is lent."""
-    roles = {r: RoleSpec(max_seqs=64, kv_tokens=10**6) for r in PIPELINE}
-    cfg = ControllerConfig(roles=roles, cooldown_s=1.0)
-    policy = Shiftable()
-    ctl = Controller(policy, devices=[f"d{i}" for i in range(8)], config=cfg)
-    ctl.begin_iteration(IterationPlan(0, rollout_seqs=48, group_size=4, rollout_tokens_per_seq=8), 0.0)
-    choice = policy.choice
-    assert choice is not None and choice.static_split is not None
-    split = {Role.ROLLOUT: 2, Role.REWARD: 2, Role.TRAIN: 4}
-    policy.choice = dataclasses.replace(choice, static_split=split, first_stage_alone_s=100.0, handoff_s=1.0,
-                                        first_work_s={Role.REWARD: 0.5, Role.TRAIN: 50.0}, loan_pays=False)
+                                        first_work_s={Role.REWARD: 0.5, Role.TRAIN: 50.0},
+                                        loan_pays=loan_pays)
     dec = ctl.tick(0.0)
     assert dec is not None
-    placed = {r: sum(len(s.devices) for s in dec.shifts if s.to_role is r) for r in PIPELINE}
-    assert placed == split
+    assert {r: sum(len(s.devices) for s in dec.shifts if s.to_role is r) for r in PIPELINE} == placed
 
 
 def test_lent_devices_go_home_once_the_first_stage_has_nothing_left_to_start() -> None:
