@@ -859,7 +859,7 @@ def test_ranked_looks_past_the_bound_where_the_last_judgement_decides() -> None:
     n = 2890.0
     fr = len(TAIL_FRACTIONS)
     ro = Stage(Role.ROLLOUT, 1, n, 880.0, 2640.0, 0.008, 4e-5, 1.0, 256.0, 1.0, True, 0.003,
-               tuple(np.geomspace(200.0, 2508.0, fr)))
+               tuple(np.geomspace(528.0, 2508.0, fr)))
     rw = Stage(Role.REWARD, 2, n, 351.6, 1053.0, 0.02, 8e-5, 1.0, 256.0, 1.0, True, 0.01,
                tuple(np.geomspace(146.5, 1000.0, fr)))
     tr = Stage(Role.TRAIN, 1, n, 1000.0, 3000.0, 1e-3, 2e-5, 1000.0, 16.0, 1.0, False, group=1)
