@@ -64,7 +64,7 @@ def static_makespans(
     # after the last judgement train still has its group: one step, or the group's share of its drain
     tail = np.maximum(tr.last_item_s(), drain_tr / groups)
     backlog = e_tr - tail  # train's own ends, less what follows the last judgement
-    lag = group_lag(ro, rw, m_ro, m_rw, g)
+    lag = group_lag(ro, rw, m_ro, m_rw, g, up)
     grain = item_grain(tr, m_tr)
     shares = late_work_shares(ro, rw, tr, m_ro, m_rw, fgs, g, n)
     for share, together, bound in zip(shares, judged, independent):
@@ -109,7 +109,7 @@ def late_work_shares(ro: Stage, rw: Stage, tr: Stage, m_ro: np.ndarray, m_rw: np
     the groups completing last held far more than their share of the tokens; the model ended train 7 s
     before the simulator with 2 judge replicas and ranked that split best."""
     x, p = ro._survival
-    mean = float(np.trapezoid(p, x))
+    mean = ro._moments[0]
     prompt = max(tr.mean - mean, 0.0)  # a train item's tokens less its response
     hi, lo = np.asarray(0.01), np.asarray(0.9)
     own = float(ro.length_at(hi) - ro.length_at(lo)) * float(ro.step(np.asarray(ro.cap)))
@@ -239,7 +239,8 @@ def _when_ended(up: dict[float, np.ndarray], ended: np.ndarray, n: float,
     return np.stack([arrived_at(counts, times, row * n) for row in ended])
 
 
-def group_lag(ro: Stage, rw: Stage, m_ro: np.ndarray, m_rw: np.ndarray, g: int) -> np.ndarray:
+def group_lag(ro: Stage, rw: Stage, m_ro: np.ndarray, m_rw: np.ndarray, g: int,
+              up: dict[float, np.ndarray] | None = None) -> np.ndarray:
     """Seconds by which a group of `g` items completes after its typical (median) member: its members start
     together, so it waits for the longest of g rollouts and of g judgements, about the lengths exceeded by
     1/(g + 1) of the items, each at its stage's step, and for the member that waits longest in a judge
@@ -249,7 +250,8 @@ def group_lag(ro: Stage, rw: Stage, m_ro: np.ndarray, m_rw: np.ndarray, g: int) 
     queue's whole length put the groups late by as much). 0 for single items and for constant lengths
     on a stage that does not queue, where a
     group ends with its members (a model that lets members end in random order would keep train waiting
-    for nearly all judgements: 0.97 of a perfect static split's speed in tests/sim/test_sanity.py)."""
+    for nearly all judgements: 0.97 of a perfect static split's speed in tests/sim/test_sanity.py).
+    `up`: the first stage's `emissions(m_ro)`, where the caller has them already."""
     shape = np.broadcast(np.asarray(m_ro), np.asarray(m_rw)).shape
     if g <= 1:
         return np.zeros(shape)
@@ -262,9 +264,9 @@ def group_lag(ro: Stage, rw: Stage, m_ro: np.ndarray, m_rw: np.ndarray, g: int) 
     # members reach the judge one by one, so where its replicas queue, they wait at random places in the
     # queue: the last of g about g / (g + 1) of it, the typical one half. The queue builds only where the
     # judge's queued drain outlasts the rollouts' ends (arrivals spread over longer never queue that deep)
-    queue = ro._queue(m_ro)
-    fs, _ = ro.points()
-    span = ro._emitted(0.0, *queue) - ro._emitted(float(fs[0]), *queue)
+    if up is None:
+        up = ro.emissions(m_ro)
+    span = up[min(up)] - up[max(up)]  # from the first point's ends to the last item's
     waits = np.maximum(rw._queue(m_rw)[3] - span, 0.0)
     return lag + (g / (g + 1.0) - 0.5) * waits
 
@@ -450,7 +452,7 @@ def work_arrives(st: dict[Role, Stage], split: dict[Role, int],
     # together" view, without its cap at members ending independently (`member_left`), which lost more
     # random draws here (docs/decisions.md, "A group completes no later than its members would
     # independently")
-    lag = group_lag(ro, rw, m[Role.ROLLOUT], m[Role.REWARD], max(tr.group, 1))
+    lag = group_lag(ro, rw, m[Role.ROLLOUT], m[Role.REWARD], max(tr.group, 1), up)
     return {
         Role.REWARD: float(ro.emitted(m[Role.ROLLOUT], rollouts_left)),
         Role.TRAIN: float(rw.after(up, m[Role.REWARD], groups_left) + lag),

@@ -57,18 +57,32 @@ def arrival_points(up_emitted: dict[float, np.ndarray], n: float,
     return counts, times
 
 
-def still_to_come(tau: np.ndarray, arrivals: tuple[tuple[np.ndarray, float], ...]) -> np.ndarray:
-    """The fraction of a stage's items not yet arrived at `tau`, piecewise linear between the `arrivals`
-    points ((s, fs): all but fs arrived by s) from all to come at 0; none after the last point. Each
-    segment takes off its share as `tau` crosses it."""
-    out = np.ones(np.shape(tau))
+Segment = tuple[np.ndarray | float, np.ndarray, float]  # (start, end, share of the items arriving between)
+
+
+def arrival_segments(arrivals: tuple[tuple[np.ndarray, float], ...]
+                     ) -> tuple[list[Segment], np.ndarray | float, float]:
+    """The `arrivals` points ((s, fs): all but fs arrived by s) as segments from all to come at 0, in
+    order: (start, end, share of the items arriving between), and (the last point's time, the share
+    still to come after it)."""
+    segments = []
     prev_s: np.ndarray | float = 0.0
     prev_f = 1.0
     for s, fs in sorted(arrivals, key=lambda p: -p[1]):
-        w = np.clip((tau - prev_s) / np.maximum(s - prev_s, 1e-12), 0.0, 1.0)
-        out = out - max(prev_f - fs, 0.0) * w
+        segments.append((prev_s, s, max(prev_f - fs, 0.0)))
         prev_s, prev_f = s, min(prev_f, fs)
-    return np.where(tau > prev_s, 0.0, np.clip(out, 0.0, 1.0)) if arrivals else out
+    return segments, prev_s, prev_f
+
+
+def still_to_come(tau: np.ndarray, arrivals: tuple[tuple[np.ndarray, float], ...]) -> np.ndarray:
+    """The fraction of a stage's items not yet arrived at `tau`, piecewise linear between the `arrivals`
+    points from all to come at 0; none after the last point. Each segment takes off its share as `tau`
+    crosses it."""
+    out = np.ones(np.shape(tau))
+    segments, last, _ = arrival_segments(arrivals)
+    for start, end, share in segments:
+        out = out - share * np.clip((tau - start) / np.maximum(end - start, 1e-12), 0.0, 1.0)
+    return np.where(tau > last, 0.0, np.clip(out, 0.0, 1.0)) if arrivals else out
 
 
 def tail_lengths(lengths: np.ndarray) -> tuple[float, ...]:
@@ -424,13 +438,11 @@ class Stage:
         draw 6 (7 / 50 / 5) a judgement arriving with the rollouts' second wave, at 18 s, was priced beside
         159k tokens of its replica's 214k; one token a step since each arrival leaves at least 183k."""
         lone = max(self.a + self.b * self.k, 1e-12)
-        done = np.zeros(np.shape(t))
-        prev_s: np.ndarray | float = 0.0
-        prev_f = 1.0
-        for s, fs in sorted(arrivals, key=lambda p: -p[1]):
-            done = done + max(prev_f - fs, 0.0) * self.decoded_fraction(np.maximum(t - prev_s, 0.0) / lone)
-            prev_s, prev_f = s, min(prev_f, fs)
-        return done + prev_f * self.decoded_fraction(np.maximum(t - prev_s, 0.0) / lone)
+        segments, last, rest = arrival_segments(arrivals)
+        done = rest * self.decoded_fraction(np.maximum(t - last, 0.0) / lone)
+        for start, _, share in segments:
+            done = done + share * self.decoded_fraction(np.maximum(t - start, 0.0) / lone)
+        return done
 
     @cached_property
     def _decoded_curve(self) -> tuple[np.ndarray, np.ndarray]:
