@@ -225,7 +225,8 @@ def arrival_s(costs: ShiftCostModel, u: Role) -> float:
 def plan(state: ClusterState, costs: ShiftCostModel, now: float, opens_colocated: bool = False,
          return_after: Mapping[Role, float] | None = None,
          keep: Mapping[Role, int] | None = None, first_share: float = 1.0,
-         residuals: Mapping[Role, Residual] | None = None) -> PlanResult:
+         residuals: Mapping[Role, Residual] | None = None,
+         keep_first: Mapping[Role, int] | None = None) -> PlanResult:
     """Run the five steps. Roles are tried as shift-up role in decreasing τ, after the role that holds the
     iteration up if one does (`drain_floor`); the first whose best candidate clears the margin wins. (A
     role can be furthest behind yet unable to use a device — a tail of fewer sequences than replicas — in
@@ -242,7 +243,11 @@ def plan(state: ClusterState, costs: ShiftCostModel, now: float, opens_colocated
     ``first_share``: the share of the devices the first stage opens the next iteration with, which a
     lent first-stage device's trip back is charged over (`return_trip_s`).
     ``residuals``: the generation roles' length profiles (`tail_migration.Residual`), which price the
-    judge's tail where train is behind it (`behind_tail`)."""
+    judge's tail where train is behind it (`behind_tail`).
+    ``keep_first``: replicas per role that the role keeps when it gives devices to the first stage
+    (`Shiftable` passes the opening split where the iteration opened on it because the split beats the
+    planner: the whole-iteration model chose that split, and the planner's horizon does not see what a
+    judge device lent to the rollouts costs the judge's tail when it does not come back in time)."""
     cfg = state.config
     views = role_views(state, cfg.horizon_s, now)
     taus = tau(views)
@@ -279,7 +284,8 @@ def plan(state: ClusterState, costs: ShiftCostModel, now: float, opens_colocated
             if keeps_up(state, views, u, 0.0 if opens_colocated else arrival_s(costs, u)):
                 tried.append(f"{u}: drains before the tail upstream of it ends")
                 continue
-            ev = plan_for(state, costs, views, pools, u, threshold, floors, return_after, keep, first_share)
+            ev = plan_for(state, costs, views, pools, u, threshold, floors, return_after,
+                          keep_first if u is PIPELINE[0] else keep, first_share)
         tried.append(f"{u}: {ev.note}")
         if shown is None or (shown.xs.size == 0 and ev.xs.size > 0):
             shown = ev  # with nothing chosen, show the most-behind role that had candidates
@@ -387,7 +393,7 @@ def plan_for(state: ClusterState, costs: ShiftCostModel, views: dict[Role, RoleV
         kmax = min(len(pool.ids), max_x // g, keep_limit(views, pool.role, u, cfg.upstream_slack,
                                                                 cfg.upstream_rate, cfg.upstream_rate_floor,
                                                                 cfg.upstream_ahead))
-        if (keep and pool.role in keep and u in PIPELINE[1:]
+        if (keep and pool.role in keep
                 and PIPELINE.index(pool.role) > PIPELINE.index(u)):
             kmax = min(kmax, max(views[pool.role].replicas - keep[pool.role], 0))
         phi = np.concatenate([[0.0], np.cumsum(phi_sorted[:kmax])])

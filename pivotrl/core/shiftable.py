@@ -158,7 +158,7 @@ class Shiftable(Policy):
         if return_after is not None and choice is not None and choice.static_split is not None:
             first_share = max(next_opening(state, choice)[PIPELINE[0]], 1) / len(state.device_role)
         result = planner.plan(state, costs, now, opens_colocated, return_after, train_keeps(state, choice),
-                              first_share, self.residuals)
+                              first_share, self.residuals, first_keeps(state, choice))
         self.last = result
         if result.chosen is None or result.to_role is None:
             return serve_starving(state, now)
@@ -189,6 +189,24 @@ def train_keeps(state: ClusterState, choice: IterationChoice | None) -> dict[Rol
         return None
     last = PIPELINE[-1]
     return {last: choice.static_split.get(last, 0) // state.config.devices_per_replica(last)}
+
+
+def first_keeps(state: ClusterState, choice: IterationChoice | None) -> dict[Role, int] | None:
+    """On-policy, where the iteration opened on its split because the split is predicted faster than the
+    tick planner (`IterationChoice.split_beats_planner`): every downstream role keeps its replicas of the
+    opening split when the planner would give its devices to the first stage.
+
+    Why: the planner counts work over its horizon, and at an iteration's start the judge has none, so its
+    devices looked free to the rollouts. On random draw 438 (626 devices, cold shifts, a judge-bound
+    iteration) it moved 76 judge devices to the rollouts 0.6 s into the iteration, for a rollout stage
+    that then ended 0.3 s sooner, and they went on to train: the judge's tail ran 1.8 s longer and the
+    iteration 0.986 of the split's speed. Where the planner is predicted faster than the split (warm
+    shifts, long first stages), it lends as before."""
+    if (choice is None or choice.static_split is None or state.config.max_staleness != 0
+            or choice.opens_colocated() or not choice.split_beats_planner()):
+        return None
+    opening = next_opening(state, choice)
+    return {r: opening.get(r, 0) // state.config.devices_per_replica(r) for r in PIPELINE[1:]}
 
 
 def return_loans(state: ClusterState, loans: dict[Role, int], now: float,

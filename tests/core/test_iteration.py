@@ -42,7 +42,15 @@ from pivotrl.core.makespan import (
     static_makespans,
     work_arrives,
 )
-from pivotrl.core.shiftable import Shiftable, opening_split, return_loans, toward_split, train_keeps
+from pivotrl.core.shiftable import (
+    Shiftable,
+    first_keeps,
+    next_opening,
+    opening_split,
+    return_loans,
+    toward_split,
+    train_keeps,
+)
 from pivotrl.core.shiftcost import ShiftCostModel
 from pivotrl.core.stage import LAST_END_STEPS, MEDIAN, TAIL_FRACTIONS, Stage, still_to_come, tail_lengths
 from pivotrl.core.state import ClusterState
@@ -1315,6 +1323,29 @@ def test_train_keeps_the_splits_share_on_policy_on_a_split() -> None:
     assert train_keeps(ctl.state, None) is None
     ctl.state.config = dataclasses.replace(ctl.state.config, max_staleness=1)
     assert train_keeps(ctl.state, choice) is None
+
+
+def test_downstream_roles_keep_the_opening_from_the_first_stage_where_the_split_beats_the_planner() -> None:
+    """On-policy, with the iteration opened on its split because the split beats the tick planner, every
+    downstream role keeps its replicas of the opening split from the first stage; where the planner is
+    predicted faster, with staleness, with a colocated opening, or without a choice, nothing is kept."""
+    policy = Shiftable()
+    ctl = later_start_on_train(policy)
+    choice = policy.choice
+    assert choice is not None and choice.static_split is not None
+    choice = dataclasses.replace(choice, predicted_s=slow_colocated(choice), scale=1.0)
+    static = choice.predicted_s["static"]
+    beats = dataclasses.replace(choice, predicted_s={**choice.predicted_s, "dynamic": 2.0 * static})
+    loses = dataclasses.replace(choice, predicted_s={**choice.predicted_s, "dynamic": 0.5 * static})
+    assert beats.split_beats_planner() and not loses.split_beats_planner()
+    opening = next_opening(ctl.state, beats)
+    assert first_keeps(ctl.state, beats) == {
+        r: opening[r] // ctl.state.config.devices_per_replica(r) for r in PIPELINE[1:]}
+    assert first_keeps(ctl.state, loses) is None
+    assert first_keeps(ctl.state, with_colocated(beats, faster=True)) is None
+    assert first_keeps(ctl.state, None) is None
+    ctl.state.config = dataclasses.replace(ctl.state.config, max_staleness=1)
+    assert first_keeps(ctl.state, beats) is None
 
 
 @FEW

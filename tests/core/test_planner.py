@@ -703,6 +703,47 @@ def test_a_kept_share_never_goes_to_the_judge(seed: int, share: float) -> None:
             assert views[r].replicas - given_up >= min(keep[r], views[r].replicas)
 
 
+@CI
+@given(seed=st.integers(0, 2**32 - 1), share=st.floats(0.0, 1.5))
+def test_a_share_kept_from_the_first_stage_stays_where_it_is(seed: int, share: float) -> None:
+    """`keep_first`: a plan for the first stage leaves every downstream role its kept replicas; a plan for
+    any other role is the one made without it."""
+    stt, costs, now = random_state(seed)
+    views = role_views(stt, stt.config.horizon_s)
+    keep = {r: round(share * views[r].replicas) for r in PIPELINE[1:]}
+    res = plan(stt, costs, now, False, random_return_after(seed), keep_first=keep)
+    stt, costs, now = random_state(seed)
+    free = plan(stt, costs, now, False, random_return_after(seed))
+    if free.to_role is not PIPELINE[0]:
+        assert res.to_role is free.to_role and res.chosen == free.chosen
+    if res.chosen is None or res.to_role is not PIPELINE[0]:
+        return
+    for r in PIPELINE[1:]:
+        given_up = res.chosen.donors_per_role.get(str(r), 0)
+        assert views[r].replicas - given_up >= min(keep[r], views[r].replicas)
+
+
+def test_without_a_kept_share_the_first_stage_takes_downstream_replicas_it_leaves_with_one() -> None:
+    """The limit above binds: over the random clusters the first stage takes replicas of a downstream role,
+    and with every downstream replica kept it takes none of them."""
+    bound = 0
+    for seed in range(400):
+        stt, costs, now = random_state(seed)
+        ra = random_return_after(seed)
+        free = plan(stt, costs, now, False, ra)
+        if free.chosen is None or free.to_role is not PIPELINE[0]:
+            continue
+        if not any(free.chosen.donors_per_role.get(str(r), 0) for r in PIPELINE[1:]):
+            continue
+        bound += 1
+        stt, costs, now = random_state(seed)
+        views = role_views(stt, stt.config.horizon_s)
+        kept = plan(stt, costs, now, False, ra, keep_first={r: views[r].replicas for r in PIPELINE[1:]})
+        assert kept.chosen is None or kept.to_role is not PIPELINE[0] or not any(
+            kept.chosen.donors_per_role.get(str(r), 0) for r in PIPELINE[1:])
+    assert bound >= 10
+
+
 def test_without_a_kept_share_train_gives_the_judge_replicas_it_keeps_with_one() -> None:
     """The limit above binds: over the random clusters train gives the judge replicas, and with all its
     replicas kept it gives the judge none."""
