@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from pivotrl.core import Controller, IterationPlan, Role, RoleSpec
 from pivotrl.core.iteration import (
+    HOLD_MARGIN,
     PLANNER_MARGIN,
     IterationChoice,
     IterationMeter,
@@ -268,6 +269,56 @@ def test_controller_hands_the_policy_the_last_iterations_profile() -> None:
     assert got.prompt_mean > 0   # the prompts the rollouts prefilled
     assert ctl.log[-1]["iteration_choice"]["mode"] in ("static", "dynamic", "colocated")
     assert policy.history[-1].scale == prof.makespan_s / prof.predicted_s
+
+
+def test_a_placement_is_held_unless_a_split_beats_it_by_the_margin() -> None:
+    """`choose` keeps every placement whose own prediction is within `HOLD_MARGIN` of the best split's with
+    its moves paid, and moves to that split otherwise. Over the placements of 24 devices that differ from
+    the best split by up to two devices, all three happen: held (predicted no slower), held by the margin
+    alone, and moved."""
+    n = 24
+    cfg = ControllerConfig(roles={r: RoleSpec(max_seqs=64, kv_tokens=10**6) for r in PIPELINE},
+                           cooldown_s=0.0)
+    plan = IterationPlan(0, rollout_seqs=960, group_size=4, rollout_tokens_per_seq=400,
+                         reward_tokens_per_rollout=200)
+
+    def placed_on(placement: dict[Role, int]) -> Controller:
+        ctl = Controller(Shiftable(), devices=[f"d{i}" for i in range(n)], config=cfg)
+        names = iter(f"d{i}" for i in range(n))
+        for role, k in placement.items():
+            for _ in range(k):
+                ctl.request_shift(next(names), role, 0.0)
+        ready(ctl, 1.0)
+        ctl.state.plan = plan
+        return ctl
+
+    first = stages(placed_on({Role.ROLLOUT: n}).state, ShiftCostModel(), None)
+    assert first is not None
+    found = best_static(first, n)
+    assert found is not None
+    best = found[0]
+    outcomes = set()
+    for d in itertools.product(range(-2, 3), repeat=2):
+        placement = {Role.ROLLOUT: best[Role.ROLLOUT] + d[0], Role.REWARD: best[Role.REWARD] + d[1]}
+        placement[Role.TRAIN] = n - sum(placement.values())
+        if min(placement.values()) < 1:
+            continue
+        ctl = placed_on(placement)
+        stg = stages(ctl.state, ctl.shift_costs, None)
+        assert stg is not None
+        target = best_static(stg, n)
+        assert target is not None
+        t_moved = moved_makespan(stg, target[0], placement, target[1])
+        t_held = float(static_makespans(stg, {r: np.asarray([float(placement[r])]) for r in PIPELINE})[0])
+        choice = choose(ctl.state, ctl.shift_costs, None, stg)
+        assert choice is not None
+        if t_held * (1.0 - HOLD_MARGIN) <= t_moved:
+            assert choice.static_split == placement
+            outcomes.add("held" if t_held <= t_moved else "held by the margin")
+        else:
+            assert choice.static_split == target[0]
+            outcomes.add("moved")
+    assert outcomes == {"held", "held by the margin", "moved"}
 
 
 def test_a_held_static_plan_places_the_predicted_split() -> None:
