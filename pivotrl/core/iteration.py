@@ -61,11 +61,12 @@ PLANNER_MARGIN = 0.05
 
 #: How much faster than the current placement a searched split must be predicted, its moves paid, for an
 #: iteration to move to it. A move costs its shifts for certain, and its gain is a difference of two
-#: predictions: from the last iteration's profile the model's iteration time was off by 11-13 % (mean
-#: absolute error, seeds 0-51 and 200-251 at the best static split), so a move predicted to gain 1 % is
-#: a coin flip that always pays its shifts (random draw 36: one judge device moved to train for a
-#: predicted 1.3 %, and the split ran 1.6 % slower; docs/decisions.md, "A move must be predicted to pay
-#: by a margin").
+#: predictions: from the last iteration's profile the model's iteration time was off by 11-12 % (mean
+#: absolute error, random seeds 0-51 and 200-251 at the best static split), so a move predicted to gain
+#: 1 % is a coin flip that always pays its shifts (random draw 36: one judge device moved to train for a
+#: predicted 1.3 %, and the split ran 1.6 % slower; docs/decisions.md, "Where the split beats the
+#: planner, downstream roles keep their share from the first stage; a move must be predicted to pay by a
+#: margin").
 HOLD_MARGIN = 0.01
 
 
