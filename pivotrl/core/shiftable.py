@@ -172,6 +172,13 @@ class Shiftable(Policy):
         return ShiftPlan(dissolve, form, f"planner:tau[{result.to_role}]={tau_u:.3g}", result.reasoning)
 
 
+def on_policy_split(state: ClusterState, choice: IterationChoice | None) -> bool:
+    """Is the run on-policy, with the iteration on a predicted split that does not open colocated? Where
+    the split's shares bind the planner (`train_keeps`, `first_keeps`)."""
+    return (choice is not None and choice.static_split is not None and state.config.max_staleness == 0
+            and not choice.opens_colocated())
+
+
 def train_keeps(state: ClusterState, choice: IterationChoice | None) -> dict[Role, int] | None:
     """On-policy, on a static split: train keeps the split's replicas when the planner would give devices
     to the judge (`planner.plan`'s `keep`). None otherwise (no limit).
@@ -184,9 +191,9 @@ def train_keeps(state: ClusterState, choice: IterationChoice | None) -> dict[Rol
     takes devices, gives what the split does not need, and gives all of them to the next iteration's
     rollouts, which end before train has work again (docs/decisions.md, "Train keeps its share of the
     split")."""
-    if (choice is None or choice.static_split is None or state.config.max_staleness != 0
-            or choice.opens_colocated()):
+    if not on_policy_split(state, choice):
         return None
+    assert choice is not None and choice.static_split is not None
     last = PIPELINE[-1]
     return {last: choice.static_split.get(last, 0) // state.config.devices_per_replica(last)}
 
@@ -202,8 +209,7 @@ def first_keeps(state: ClusterState, choice: IterationChoice | None) -> dict[Rol
     that then ended 0.3 s sooner, and they went on to train: the judge's tail ran 1.8 s longer and the
     iteration 0.986 of the split's speed. Where the planner is predicted faster than the split (warm
     shifts, long first stages), it lends as before."""
-    if (choice is None or choice.static_split is None or state.config.max_staleness != 0
-            or choice.opens_colocated() or not choice.split_beats_planner()):
+    if not on_policy_split(state, choice) or not choice.split_beats_planner():
         return None
     opening = next_opening(state, choice)
     return {r: opening.get(r, 0) // state.config.devices_per_replica(r) for r in PIPELINE[1:]}
