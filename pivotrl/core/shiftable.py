@@ -199,20 +199,44 @@ def train_keeps(state: ClusterState, choice: IterationChoice | None) -> dict[Rol
 
 
 def first_keeps(state: ClusterState, choice: IterationChoice | None) -> dict[Role, int] | None:
-    """On-policy, where the iteration opened on its split because the split is predicted faster than the
-    tick planner (`IterationChoice.split_beats_planner`): every downstream role keeps its replicas of the
-    opening split when the planner would give its devices to the first stage.
+    """Replicas per downstream role that the role keeps when the planner would give its devices to the first
+    stage (`planner.plan`'s `keep_first`), or None (no limit).
 
-    Why: the planner counts work over its horizon, and at an iteration's start the judge has none, so its
-    devices looked free to the rollouts. On random draw 438 (626 devices, cold shifts, a judge-bound
-    iteration) it moved 76 judge devices to the rollouts 0.6 s into the iteration, for a rollout stage
-    that then ended 0.3 s sooner, and they went on to train: the judge's tail ran 1.8 s longer and the
-    iteration 0.986 of the split's speed. Where the planner is predicted faster than the split (warm
-    shifts, long first stages), it lends as before."""
+    On-policy, where the iteration opened on its split because the split is predicted faster than the
+    tick planner (`IterationChoice.split_beats_planner`): the opening split's replicas. The planner counts
+    work over its horizon, and at an iteration's start the judge has none, so its devices looked free to
+    the rollouts. On random draw 438 (626 devices, cold shifts, a judge-bound iteration) it moved 76 judge
+    devices to the rollouts 0.6 s into the iteration, for a rollout stage that then ended 0.3 s sooner,
+    and they went on to train: the judge's tail ran 1.8 s longer and the iteration 0.986 of the split's
+    speed. Where the planner is predicted faster than the split (warm shifts, long first stages), it lends
+    as before.
+
+    With staleness, on any iteration with a predicted split (`stale_keeps`): the split's replicas."""
+    if state.config.max_staleness > 0:
+        return stale_keeps(state, choice)
     if not on_policy_split(state, choice) or not choice.split_beats_planner():
         return None
     opening = next_opening(state, choice)
     return {r: opening.get(r, 0) // state.config.devices_per_replica(r) for r in PIPELINE[1:]}
+
+
+def stale_keeps(state: ClusterState, choice: IterationChoice | None) -> dict[Role, int] | None:
+    """With staleness, the downstream roles keep the iteration's predicted split's replicas from the first
+    stage: a newer iteration's rollouts take only what the older iteration's judgements and training
+    leave above that split, and the split's own rollout share.
+
+    Why: the next iteration's rollouts arrive with a long queue and no rate, so the planner saw them as
+    far behind everything and moved devices to them from the older iteration's judge and train, then moved
+    them back one at a time as those fell behind; and the older iteration's end is what lets the iteration
+    after the next one start. On the paper reconstruction at `max_staleness` 1, iteration 1's rollouts
+    took 15 devices from iteration 0's judge and train at 145 s and gave 12 back over the next 90 s. Kept
+    to the split, they take 6 and the run makes 65 replica shifts instead of 95: 1.018-1.030x the
+    tokens/s on seeds 0 / 1 / 2, 1.044x at staleness 2. Never more than the split, which leaves the
+    rollouts their own share: keeping more starved them (docs/decisions.md, "With staleness,
+    downstream roles keep the split from the next iteration's rollouts")."""
+    if choice is None or choice.static_split is None:
+        return None
+    return {r: choice.static_split.get(r, 0) // state.config.devices_per_replica(r) for r in PIPELINE[1:]}
 
 
 def return_loans(state: ClusterState, loans: dict[Role, int], now: float,

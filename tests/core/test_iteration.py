@@ -1379,7 +1379,8 @@ def test_train_keeps_the_splits_share_on_policy_on_a_split() -> None:
 def test_downstream_roles_keep_the_opening_from_the_first_stage_where_the_split_beats_the_planner() -> None:
     """On-policy, with the iteration opened on its split because the split beats the tick planner, every
     downstream role keeps its replicas of the opening split from the first stage; where the planner is
-    predicted faster, with staleness, with a colocated opening, or without a choice, nothing is kept."""
+    predicted faster, with a colocated opening, or without a choice, nothing is kept (with staleness the
+    split is kept instead: `test_with_staleness_downstream_roles_keep_the_split_from_the_first_stage`)."""
     policy = Shiftable()
     ctl = later_start_on_train(policy)
     choice = policy.choice
@@ -1395,8 +1396,33 @@ def test_downstream_roles_keep_the_opening_from_the_first_stage_where_the_split_
     assert first_keeps(ctl.state, loses) is None
     assert first_keeps(ctl.state, with_colocated(beats, faster=True)) is None
     assert first_keeps(ctl.state, None) is None
-    ctl.state.config = dataclasses.replace(ctl.state.config, max_staleness=1)
-    assert first_keeps(ctl.state, beats) is None
+
+
+@pytest.mark.parametrize("staleness", [1, 2])
+def test_with_staleness_downstream_roles_keep_the_split_from_the_first_stage(staleness: int) -> None:
+    """With staleness, whatever the plan predicts (the split beating the planner or not, a colocated
+    opening), every downstream role keeps the iteration's split's replicas from the first stage, which
+    leaves the first stage at least the split's own share; nothing is kept without a split."""
+    policy = Shiftable()
+    ctl = later_start_on_train(policy)
+    choice = policy.choice
+    assert choice is not None and choice.static_split is not None
+    ctl.state.config = dataclasses.replace(ctl.state.config, max_staleness=staleness)
+    choice = dataclasses.replace(choice, predicted_s=slow_colocated(choice), scale=1.0)
+    static = choice.predicted_s["static"]
+    split = choice.static_split
+    want = {r: split[r] // ctl.state.config.devices_per_replica(r) for r in PIPELINE[1:]}
+    for variant in (
+        dataclasses.replace(choice, predicted_s={**choice.predicted_s, "dynamic": 2.0 * static}),
+        dataclasses.replace(choice, predicted_s={**choice.predicted_s, "dynamic": 0.5 * static}),
+        with_colocated(choice, faster=True),
+    ):
+        kept = first_keeps(ctl.state, variant)
+        assert kept == want
+        held = sum(kept[r] * ctl.state.config.devices_per_replica(r) for r in PIPELINE[1:])
+        assert len(ctl.state.device_role) - held >= split[PIPELINE[0]]
+    assert first_keeps(ctl.state, None) is None
+    assert first_keeps(ctl.state, dataclasses.replace(choice, static_split=None)) is None
 
 
 @FEW
