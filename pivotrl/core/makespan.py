@@ -108,7 +108,6 @@ def late_work_shares(ro: Stage, rw: Stage, tr: Stage, m_ro: np.ndarray, m_rw: np
     random draw 416 (lognormal responses, 4 per group, rollouts ending over 90 s, judgements of 134 tokens)
     the groups completing last held far more than their share of the tokens; the model ended train 7 s
     before the simulator with 2 judge replicas and ranked that split best."""
-    x, p = ro._survival
     mean = ro._moments[0]
     prompt = max(tr.mean - mean, 0.0)  # a train item's tokens less its response
     hi, lo = np.asarray(0.01), np.asarray(0.9)
@@ -119,8 +118,7 @@ def late_work_shares(ro: Stage, rw: Stage, tr: Stage, m_ro: np.ndarray, m_rw: np
     for fg in fgs:
         f = member_left(fg, g, n)
         cut = float(ro.length_at(np.asarray(f)))
-        above = x >= cut
-        top = f * cut + (float(np.trapezoid(p[above], x[above])) if above.sum() > 1 else 0.0)
+        top = f * cut + mean * (1.0 - float(ro.decoded_fraction(np.asarray(cut))))  # f·cut + E[(L − cut)⁺]
         longest = min((f * prompt + top) / max(prompt + mean, 1e-12), 1.0)
         by_length = longest + max(fg - f, 0.0) * (1.0 - longest) / max(1.0 - f, 1e-12)
         out.append((1.0 - weight) * fg + weight * max(by_length, fg))
