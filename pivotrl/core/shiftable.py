@@ -10,7 +10,7 @@ are" (the static split) wins ties, so shifting has to predict itself faster to b
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from pivotrl.core import planner
 from pivotrl.core.iteration import IterationChoice, IterationProfile, choose, stages
@@ -195,7 +195,7 @@ def train_keeps(state: ClusterState, choice: IterationChoice | None) -> dict[Rol
         return None
     assert choice is not None and choice.static_split is not None
     last = PIPELINE[-1]
-    return {last: choice.static_split.get(last, 0) // state.config.devices_per_replica(last)}
+    return whole_replicas(state, choice.static_split, (last,))
 
 
 def first_keeps(state: ClusterState, choice: IterationChoice | None) -> dict[Role, int] | None:
@@ -216,8 +216,7 @@ def first_keeps(state: ClusterState, choice: IterationChoice | None) -> dict[Rol
         return stale_keeps(state, choice)
     if not on_policy_split(state, choice) or not choice.split_beats_planner():
         return None
-    opening = next_opening(state, choice)
-    return {r: opening.get(r, 0) // state.config.devices_per_replica(r) for r in PIPELINE[1:]}
+    return whole_replicas(state, next_opening(state, choice), PIPELINE[1:])
 
 
 def stale_keeps(state: ClusterState, choice: IterationChoice | None) -> dict[Role, int] | None:
@@ -236,7 +235,12 @@ def stale_keeps(state: ClusterState, choice: IterationChoice | None) -> dict[Rol
     downstream roles keep the split from the next iteration's rollouts")."""
     if choice is None or choice.static_split is None:
         return None
-    return {r: choice.static_split.get(r, 0) // state.config.devices_per_replica(r) for r in PIPELINE[1:]}
+    return whole_replicas(state, choice.static_split, PIPELINE[1:])
+
+
+def whole_replicas(state: ClusterState, split: Mapping[Role, int], roles: Iterable[Role]) -> dict[Role, int]:
+    """The whole replicas each of `roles` makes of its devices in `split`: what a kept share counts."""
+    return {r: split.get(r, 0) // state.config.devices_per_replica(r) for r in roles}
 
 
 def return_loans(state: ClusterState, loans: dict[Role, int], now: float,
