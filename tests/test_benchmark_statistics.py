@@ -135,3 +135,99 @@ def test_the_window_leaves_out_the_warm_up_and_the_cool_down_and_their_shifts() 
     assert out["tokens_each"] == [10 * i for i in measured]
     assert out["shifts"] == sum(measured)
     assert out["mean_shift_s"]["total"] == pytest.approx(sum(i * i for i in measured) / sum(measured))
+
+
+def _cfg() -> object:
+    """The few fields of a pipeline config that `benchmarks.fidelity.profile` reads."""
+    from types import SimpleNamespace as N
+
+    engine = N(max_batch=8, kv_budget_tokens=4096)
+    return N(task=N(prompts_per_iteration=2, group_size=2), run=N(iterations=4),
+             rollout=N(engine=engine, sampling=N(max_new_tokens=32)),
+             reward=N(engine=engine, sampling=N(max_new_tokens=16)),
+             train=N(micro_batch=2, optimizer_owner="train"),
+             scheduler=N(tick_s=0.05, horizon_s=1.0, hysteresis=0.05, cooldown_s=0.1))
+
+
+class _Measured(_Run):
+    """A run whose every measured row steps at `speed` times the base costs (a = 0.01 s, b = 0.001 s,
+    prefill 1,000 tokens/s, train 5,000 tokens per train-busy second), with one shift of `shift_s`."""
+
+    def __init__(self, speed: float, shift_s: float, devices: int = 2) -> None:
+        fits = {role: {"a_s": 0.01 * speed, "b_s": 0.001 * speed, "prefill_tokens_per_s": 1000.0 / speed}
+                for role in ("rollout", "reward")}
+        row = {"tokens_train": 5_000, "shifts": 1, "train_apply_s": 0.02 * speed, "train_steps": 1,
+               "driver_cpu_s": 0.1, "elapsed_s": 0.0, "barrier_before_s": 0.05 * speed,
+               "step_fits": fits,
+               "lengths": {"prompt": [4, 5], "response": [10, 12], "judge_prompt": [20, 23], "judge": [3, 4]},
+               "device_time": {"d0": {"train": speed * 0.5, "flush": 0.0, "shifting": shift_s},
+                               "d1": {"train": speed * 0.5, "shifting": 0.0}}}
+        super().__init__([])
+        self.iterations = [{**row, "elapsed_s": float(i)} for i in range(4)]  # warm-up, 2 measured, cool-down
+        self.shifts = [{"role": "rollout", "total": shift_s, "timings": {"fetch": 0.0, "load": shift_s}}]
+
+
+def test_a_runs_own_profile_has_its_speeds_and_the_pooled_one_their_median() -> None:
+    """Two configurations, one run each at the base speed and one run at 1.5x its costs. The pooled
+    profile takes medians and rates over all the runs; the run's own profile has that run's step fits,
+    prefill rate, shift time and barrier, and its configuration's train rate scaled by the run's speed
+    against its configuration's runs."""
+    from benchmarks.fidelity import profile
+
+    fast, slow = _Measured(1.0, 0.2), _Measured(1.5, 0.4)
+    other = _Measured(1.0, 0.2)
+    by_config = {"colocated": [fast, slow], "static a|b": [other]}
+    pooled = profile(_cfg(), by_config, ["colocated", "static a|b"])["cost"]
+    own = profile(_cfg(), by_config, ["colocated", "static a|b"], own=("colocated", slow))["cost"]
+    assert pooled["rollout"]["decode"]["a_s"] == pytest.approx(0.01)  # the median of 6 measured rows
+    assert own["rollout"]["decode"]["a_s"] == pytest.approx(0.015)
+    assert own["reward"]["decode"]["b_s"] == pytest.approx(0.0015)
+    assert own["rollout"]["prefill_tokens_per_s"] == pytest.approx(1000 / 1.5)
+    assert own["iteration"]["optimizer_step_s"] == pytest.approx(0.03)
+    assert own["rollout"]["init_s"] > pooled["rollout"]["init_s"]
+    # its steps ran beside the control plane already: no second slowdown for it
+    assert pooled["control_cores"] > 0 and own["control_cores"] == 0.0
+    # two measured rows a run: the static run trains at 5,000 tokens per busy second; colocated's runs
+    # at 20,000 in 5 s together, the slow one 10,000 in 3 s: its own rate is the static one's x 3,333 / 4,000
+    assert pooled["train"]["tokens_per_s_per_device"] == pytest.approx(5_000)
+    assert own["train"]["tokens_per_s_per_device"] == pytest.approx(5_000 * (10_000 / 3.0) / (20_000 / 5.0))
+    # the run's own profile is the pooled one where the run is the only one
+    alone = {"colocated": [fast]}
+    mine = profile(_cfg(), alone, ["colocated"], own=("colocated", fast))
+    assert mine == {**profile(_cfg(), alone, ["colocated"]), "cost": {**mine["cost"]}}
+    assert {**mine["cost"], "control_cores": 0.0} == {**profile(_cfg(), alone, ["colocated"])["cost"],
+                                                     "control_cores": 0.0}
+
+
+@settings(max_examples=100, deadline=None)
+@given(a=st.floats(1e-4, 5e-3), b=st.floats(1e-5, 1e-3), per_token=st.floats(1e-6, 1e-4),
+       batches=st.lists(st.integers(1, 64), min_size=2, max_size=40, unique=True))
+def test_the_profiles_step_line_runs_through_every_step_of_the_window(a, b, per_token, batches) -> None:
+    """Rows carry the controller's cumulative `step_totals`. The warm-up's steps (before the window) and the
+    cool-down's (after it) lie on another line; the window's lie on (a, b), one of them prefilling. The
+    profile's rollout line and prefill rate are the window's, whatever core's last fit (`step_fits`) said."""
+    from benchmarks.fidelity import profile, window_line
+    from pivotrl.core.throughput import StepTotals
+
+    totals = StepTotals()
+    snaps = []
+    for phase in ("warm-up", "measured", "measured", "cool-down"):
+        for n in batches:
+            if phase == "measured":
+                totals.add(float(n), a + b * n)
+            else:
+                totals.add(float(n), 0.05 + 0.01 * n)
+        if phase == "measured":
+            totals.add(8.0, a + b * 8 + per_token * 500, 500)
+        snaps.append({"rollout": totals.as_dict()})
+    run = _Measured(1.0, 0.2)
+    for row, snap in zip(run.iterations, snaps, strict=True):
+        row["step_totals"] = snap
+    line = window_line([run], "rollout")
+    assert line is not None
+    assert line[0] == pytest.approx(a, rel=1e-4) and line[1] == pytest.approx(b, rel=1e-4)
+    assert line[2] == pytest.approx(1 / per_token, rel=1e-3)
+    cost = profile(_cfg(), {"colocated": [run]}, ["colocated"], own=("colocated", run))["cost"]
+    assert cost["rollout"]["decode"]["a_s"] == pytest.approx(a, rel=1e-4)
+    assert cost["rollout"]["prefill_tokens_per_s"] == pytest.approx(1 / per_token, rel=1e-3)
+    assert cost["reward"]["decode"]["a_s"] == pytest.approx(0.01)  # no totals for it: core's fits

@@ -19,6 +19,7 @@ from pivotrl.core.modes import make_policy
 from pivotrl.core.policies import Policy, ShiftPlan
 from pivotrl.core.shiftcost import ShiftCostModel
 from pivotrl.core.state import ClusterState
+from pivotrl.core.throughput import StepTotals
 from pivotrl.core.types import (
     PIPELINE,
     ControllerConfig,
@@ -64,6 +65,9 @@ class Controller:
         # The iteration in progress, measured (finished lengths per role) so the policy can start the next
         # one from what this one would have needed; `profiles` keeps every finished iteration's profile.
         self.meter = IterationMeter()
+        # every step per role since this controller started, unweighted (a whole run's profile, not a fit
+        # any decision reads: `StepTotals`)
+        self.step_totals: dict[Role, StepTotals] = {}
         self.profiles: list[IterationProfile] = []
         # a resumed run's last finished iteration (`pivotrl.core.learned.restore_learned`): handed to the
         # policy by the first `begin_iteration`, which has no iteration of its own that just ended
@@ -145,6 +149,8 @@ class Controller:
         rep = self.state.replicas.get(replica_id)
         if rep is None:
             return
+        x = float(tokens) if tokens is not None else float(concurrency)
+        self.step_totals.setdefault(rep.role, StepTotals()).add(x, step_time_s, prefill_tokens)
         for m in (rep.model, self.state.role_models[rep.role]):
             if prefill_tokens > 0:
                 m.observe_prefill(concurrency, step_time_s, prefill_tokens, tokens, context_tokens)
@@ -336,6 +342,7 @@ class Controller:
                          "samples": m.samples, "prefill_tokens_per_s": m.prefill_tokens_per_s}
                 for r, m in st.role_models.items()}
         return {"roles": roles, "step_fits": fits,
+                "step_totals": {str(r): t.as_dict() for r, t in self.step_totals.items()},
                 "devices": {d: (None if r is None else str(r)) for d, r in st.device_role.items()},
                 "free_devices": len(st.free_devices()),
                 "decisions": self._next_id}

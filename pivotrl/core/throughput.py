@@ -190,3 +190,58 @@ def checked_prefill_statistics(pf: Iterable[float]) -> list[float]:
     if len(values) != 2:
         raise ValueError(f"prefill statistics: 2 values, got {len(values)}")
     return values
+
+
+@dataclass
+class StepTotals:
+    """Unweighted sums over every step a role has run since the controller started: a profile of a whole
+    run (`benchmarks.fidelity` fits a run's step line from them, `fit_totals`). Measurement only: every
+    decision reads `ThroughputModel`'s recency-weighted fit, whose window (about 1 / (1 − decay) steps) is
+    the last few steps, at the end of an iteration its tail, which is no line for a whole run.
+
+    ``decode``: n, Σx, Σx², Σt, Σx·t over pure decode steps (x the step's work, t its seconds);
+    ``prefill``: n, Σx, Σt, Σ prompt tokens over the steps that also prefilled newcomers."""
+
+    decode: list[float] = field(default_factory=lambda: [0.0] * 5)
+    prefill: list[float] = field(default_factory=lambda: [0.0] * 4)
+
+    def add(self, x: float, step_time_s: float, prefill_tokens: float = 0.0) -> None:
+        if x <= 0 or not step_time_s > 0.0:
+            return
+        if prefill_tokens > 0:
+            p = self.prefill
+            p[0] += 1.0
+            p[1] += x
+            p[2] += step_time_s
+            p[3] += float(prefill_tokens)
+        else:
+            d = self.decode
+            d[0] += 1.0
+            d[1] += x
+            d[2] += x * x
+            d[3] += step_time_s
+            d[4] += x * step_time_s
+
+    def as_dict(self) -> dict[str, list[float]]:
+        return {"decode": list(self.decode), "prefill": list(self.prefill)}
+
+
+def fit_totals(decode: Iterable[float], prefill: Iterable[float]) -> tuple[float, float, float | None] | None:
+    """The least-squares line t = a + b·x through `StepTotals` sums (or differences of two snapshots of
+    them) and the prefill rate beyond it (tokens per second; None where the prefilling steps took no more
+    than the line). None where the decode steps show no spread in x to see a slope from."""
+    n, sx, sxx, st, sxt = (float(v) for v in decode)
+    if n < 2:
+        return None
+    mx, mt = sx / n, st / n
+    var = sxx / n - mx * mx
+    if not var > 1e-12 * mx * mx:  # one batch size (up to rounding): no slope to see
+        return None
+    b = max((sxt / n - mx * mt) / var, _MIN_B)
+    a = mt - b * mx
+    if a < _MIN_A:  # the data says "no fixed cost": keep the line through the mean, as `ThroughputModel`
+        a = _MIN_A
+        b = max((mt - a) / mx, _MIN_B)
+    pn, psx, pst, ptok = (float(v) for v in prefill)
+    beyond = pst - pn * a - b * psx
+    return a, b, (ptok / beyond if pn > 0 and ptok > 0 and beyond > 0 else None)

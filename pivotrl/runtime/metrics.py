@@ -187,6 +187,8 @@ class IterationMeter:
         }
         if "step_fits" in st.get("control", {}):
             row["step_fits"] = st["control"]["step_fits"]
+        if "step_totals" in st.get("control", {}):  # cumulative: a window's are two rows' difference
+            row["step_totals"] = st["control"]["step_totals"]
         per_dev = device_time_delta(self.device_time0, device_times(st))
         row["device_time"] = per_dev
         row["plan_s"] = st.get("plan_s", 0.0) - self.plan0[0]  # controller CPU time (scheduler process)

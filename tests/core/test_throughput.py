@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pivotrl.core.throughput import ThroughputModel
+from pivotrl.core.throughput import StepTotals, ThroughputModel, fit_totals
 
 from ._hyp import CI
 
@@ -156,3 +156,43 @@ def test_the_line_moves_to_a_context_by_its_cost(c: float, ref: float, ctx: floa
     assert m.b_at(ref) == pytest.approx(m.b)
     assert m.b_at(ctx) == pytest.approx(max(m.b + c * (ctx - ref) / k, 1e-9))
     assert ThroughputModel(0.01, 0.001).b_at(ctx) == m.b  # a role that prices no context keeps its line
+
+
+@settings(CI, max_examples=300)
+@given(a=st.floats(1e-4, 0.01), b=st.floats(1e-6, 1e-3), per_token=st.floats(1e-6, 1e-3),
+       steps=st.lists(st.tuples(st.integers(1, 256), st.one_of(st.just(0), st.integers(64, 4096))),
+                      min_size=1, max_size=80),
+       cut=st.integers(0, 80))
+def test_step_totals_fit_the_line_through_every_step_and_any_window(a, b, per_token, steps, cut) -> None:
+    """Steps on a noiseless line (prefilling ones plus `per_token` per prompt token). The totals of all of
+    them, and the difference of two snapshots (a window), fit that line and that prefill rate exactly,
+    wherever the window's decode steps show two batch sizes; otherwise there is no slope to fit."""
+    totals = StepTotals()
+    before = None
+    for i, (n, prompt) in enumerate(steps):
+        if i == cut:
+            before = StepTotals(list(totals.decode), list(totals.prefill))
+        totals.add(float(n), a + b * n + per_token * prompt, prompt)
+    before = before or StepTotals(list(totals.decode), list(totals.prefill))  # a cut past the end: empty
+    window = ([y - x for x, y in zip(before.decode, totals.decode, strict=True)],
+              [y - x for x, y in zip(before.prefill, totals.prefill, strict=True)])
+    for (dec, pre), part in (((totals.decode, totals.prefill), steps), (window, steps[cut:])):
+        fit = fit_totals(dec, pre)
+        if len({n for n, p in part if not p}) < 2:
+            assert fit is None
+            continue
+        assert fit is not None
+        assert fit[0] == pytest.approx(a, rel=1e-4, abs=1e-9)
+        assert fit[1] == pytest.approx(b, rel=1e-4, abs=1e-12)
+        if any(p for _, p in part):
+            assert fit[2] == pytest.approx(1.0 / per_token, rel=1e-3)
+        else:
+            assert fit[2] is None
+
+
+def test_step_totals_leave_out_empty_and_timeless_steps() -> None:
+    t = StepTotals()
+    t.add(0.0, 0.01)
+    t.add(4.0, 0.0)
+    t.add(4.0, float("nan"))
+    assert t.as_dict() == {"decode": [0.0] * 5, "prefill": [0.0] * 4}
