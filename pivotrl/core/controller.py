@@ -149,8 +149,10 @@ class Controller:
         rep = self.state.replicas.get(replica_id)
         if rep is None:
             return
-        x = float(tokens) if tokens is not None else float(concurrency)
-        self.step_totals.setdefault(rep.role, StepTotals()).add(x, step_time_s, prefill_tokens)
+        totals = self.step_totals.get(rep.role)
+        if totals is None:
+            totals = self.step_totals[rep.role] = StepTotals()
+        totals.add(float(tokens) if tokens is not None else float(concurrency), step_time_s, prefill_tokens)
         for m in (rep.model, self.state.role_models[rep.role]):
             if prefill_tokens > 0:
                 m.observe_prefill(concurrency, step_time_s, prefill_tokens, tokens, context_tokens)

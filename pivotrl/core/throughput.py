@@ -126,12 +126,7 @@ class ThroughputModel:
             mx, mt = s1 / s0, s3 / s0
             var = max(s2 / s0 - mx * mx, 0.0)
             if s0 >= self.prior_weight and var > (0.05 * mx) ** 2:
-                b = (s4 / s0 - mx * mt) / var
-                b = max(b, _MIN_B)
-                a = mt - b * mx
-                if a < _MIN_A:  # the data says "no fixed cost": keep the line through the mean
-                    a = _MIN_A
-                    b = max((mt - a) / mx, _MIN_B)
+                a, b = _least_squares(mx, mt, var, s4 / s0)
             else:
                 # Too little spread in x to see a slope: keep the prior's shape, scaled to match the data.
                 scale = mt / (self.prior_a + self.prior_b * mx)
@@ -192,6 +187,17 @@ def checked_prefill_statistics(pf: Iterable[float]) -> list[float]:
     return values
 
 
+def _least_squares(mx: float, mt: float, var: float, mxt: float) -> tuple[float, float]:
+    """The line t = a + b·x from the means of x, t and x·t and the variance of x (> 0). Where the data says
+    "no fixed cost" (a below its floor) the line goes through the mean with the least fixed cost."""
+    b = max((mxt - mx * mt) / var, _MIN_B)
+    a = mt - b * mx
+    if a < _MIN_A:
+        a = _MIN_A
+        b = max((mt - a) / mx, _MIN_B)
+    return a, b
+
+
 @dataclass
 class StepTotals:
     """Unweighted sums over every step a role has run since the controller started: a profile of a whole
@@ -237,11 +243,7 @@ def fit_totals(decode: Iterable[float], prefill: Iterable[float]) -> tuple[float
     var = sxx / n - mx * mx
     if not var > 1e-12 * mx * mx:  # one batch size (up to rounding): no slope to see
         return None
-    b = max((sxt / n - mx * mt) / var, _MIN_B)
-    a = mt - b * mx
-    if a < _MIN_A:  # the data says "no fixed cost": keep the line through the mean, as `ThroughputModel`
-        a = _MIN_A
-        b = max((mt - a) / mx, _MIN_B)
+    a, b = _least_squares(mx, mt, var, sxt / n)
     pn, psx, pst, ptok = (float(v) for v in prefill)
     beyond = pst - pn * a - b * psx
     return a, b, (ptok / beyond if pn > 0 and ptok > 0 and beyond > 0 else None)
