@@ -128,10 +128,12 @@ def profile(cfg: Any, by_config: dict[str, list[Any]], onpolicy: list[str],
     fits = {role: {k: statistics.median(r["step_fits"][role][k] for r in own_rows) for k in ("a_s", "b_s")}
             for role in ("rollout", "reward")}
     # core's prefill rate per role (the time of steps that admitted prompts beyond the decode line)
-    prefill = {role: _own_or([r["step_fits"][role]["prefill_tokens_per_s"] for r in own_rows
-                              if r["step_fits"][role].get("prefill_tokens_per_s")],
-                             [r["step_fits"][role]["prefill_tokens_per_s"] for r in rows
-                              if r["step_fits"][role].get("prefill_tokens_per_s")])
+    def prefill_rates(rs: list[dict[str, Any]], role: str) -> list[float]:
+        return [r["step_fits"][role]["prefill_tokens_per_s"] for r in rs
+                if r["step_fits"][role].get("prefill_tokens_per_s")]
+
+    # the run's own samples of a cost where it has any, else every run's (here and below)
+    prefill = {role: prefill_rates(own_rows, role) or prefill_rates(rows, role)
                for role in ("rollout", "reward")}
     for role in ("rollout", "reward"):  # the line through every step of the window, where rows carry them
         line = window_line(mine, role)
@@ -162,11 +164,17 @@ def profile(cfg: Any, by_config: dict[str, list[Any]], onpolicy: list[str],
             shifts[e["role"]].append(shift_phase(e, "total"))
     all_shifts = [x for v in shifts.values() for x in v]
     over = shift_overhead(shifted, all_shifts)
-    barrier = _own_or(*([float(r["train_apply_s"]) / max(1.0, float(r.get("train_steps", 1.0))) for r in rs
-                         if "train_apply_s" in r] for rs in (own_rows, rows)))
+    def steps(rs: list[dict[str, Any]]) -> list[float]:
+        return [float(r["train_apply_s"]) / max(1.0, float(r.get("train_steps", 1.0))) for r in rs
+                if "train_apply_s" in r]
+
     # a rollout device picking up a new version fetches and loads it, as the load phase of a shift does
-    sync = _own_or(*([shift_phase(e, "fetch") + shift_phase(e, "load") for res in rs for e in res.shifts
-                      if e["role"] == "rollout"] for rs in (mine, runs)))
+    def syncs(rs: list[Any]) -> list[float]:
+        return [shift_phase(e, "fetch") + shift_phase(e, "load") for res in rs for e in res.shifts
+                if e["role"] == "rollout"]
+
+    barrier = steps(own_rows) or steps(rows)
+    sync = syncs(mine) or syncs(runs)
     gaps_from = [res for name in onpolicy for res in by_config[name]]
     if own is not None and own[0] in onpolicy:
         gaps_from = mine
@@ -263,11 +271,6 @@ def shift_overhead(runs: list[Any], phases: list[float]) -> float:
         return 0.0
     shifting = sum(d.get("shifting", 0.0) for r in rows for d in r["device_time"].values())
     return max(0.0, shifting / n - statistics.mean(phases))
-
-
-def _own_or(own: list[float], pooled: list[float]) -> list[float]:
-    """The run's own samples of a cost where it has any, else every run's."""
-    return own or pooled
 
 
 def _median(xs: list[float], fallback: list[float]) -> float:
