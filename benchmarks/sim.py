@@ -11,6 +11,9 @@
                                               # drawn workloads (pivotrl.sim.randomized): does shiftable
                                               # ever lose to the best of colocated and the best static split?
                     [--search-top-k 8 --search-simulations 60]   # ... against a deeper static search
+    python -m benchmarks.sim realizations --seeds 428,430 [--quick] [--realizations 8] [--json OUT.json]
+                                              # the same drawn workloads on other length draws: is a loss
+                                              # the plan's, or the baseline's pick of the luckiest split?
 
 Every paradigm runs side by side on the same workload in one process; decisions are made by pivotrl.core.
 Ratios are printed last.
@@ -380,6 +383,104 @@ def static_gap(args: argparse.Namespace) -> None:
     print(json.dumps({k: out[k] for k in ("workloads", "max_gap", "median_gap")}))
 
 
+#: `cfg.seed` of a drawn workload's other realizations: the same workload, other sampled lengths.
+REALIZATION_SEEDS = 1000
+
+
+def _realization_one(seed: int, quick: bool, realization: int,
+                     splits: list[dict[str, int]]) -> dict[str, Any]:
+    """Colocated, shiftable and each of `splits`, on one other realization of drawn workload `seed`."""
+    from pivotrl.sim.compare import simulate
+    from pivotrl.sim.randomized import draw_config
+
+    cfg, _ = draw_config(seed, quick)
+    cfg = cfg.model_copy(update={"seed": REALIZATION_SEEDS + realization})
+    return {
+        "colocated": simulate(cfg, "colocated", record=False).tokens_per_s_per_device,
+        "shiftable": simulate(cfg, "shiftable", record=False).tokens_per_s_per_device,
+        "static": [simulate(cfg, "disaggregated", s, record=False).tokens_per_s_per_device for s in splits],
+    }
+
+
+def _searched_splits(seed: int, quick: bool, top: int) -> list[dict[str, int]]:
+    """The static search's `top` best splits on the draw's own lengths (the random benchmark's search)."""
+    from pivotrl.sim.compare import best_static
+    from pivotrl.sim.randomized import draw_config
+
+    cfg, _ = draw_config(seed, quick)
+    _, search = best_static(cfg)
+    return [dict(r["split"]) for r in search["ranking"][:top]]
+
+
+def realization_row(seed: int, splits: list[dict[str, int]], runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One draw over its realizations (`runs`, one `_realization_one` each). `expected_ratio`: shiftable's
+    median tokens/s over the best median of colocated and each split, every plan fixed before any lengths
+    are seen. `hindsight_ratios`: per realization, shiftable over the best of colocated and the splits on
+    that realization's own lengths, as `random` compares (a baseline chosen after the fact)."""
+    med = statistics.median
+    shift = [r["shiftable"] for r in runs]
+    colo = [r["colocated"] for r in runs]
+    static = [[r["static"][i] for r in runs] for i in range(len(splits))]
+    baselines = {"colocated": med(colo), **{_split_name(s): med(v) for s, v in zip(splits, static)}}
+    best_name = max(baselines, key=lambda k: baselines[k])
+    hindsight = [r["shiftable"] / max([r["colocated"], *r["static"]]) for r in runs]
+    return {
+        "seed": seed,
+        "realizations": len(runs),
+        "splits": [_split_name(s) for s in splits],
+        "median_tokens_per_s_per_device": {"shiftable": med(shift), **baselines},
+        "best_expected_baseline": best_name,
+        "expected_ratio": med(shift) / baselines[best_name],
+        "hindsight_ratios": hindsight,
+        "median_hindsight_ratio": med(hindsight),
+        "realizations_below_0.99": sum(h < 0.99 for h in hindsight),
+    }
+
+
+def _split_name(split: Mapping[str, int]) -> str:
+    return "/".join(str(split[r]) for r in ("rollout", "reward", "train"))
+
+
+def realizations(args: argparse.Namespace) -> None:
+    """Drawn workloads (`random`'s draws) run again on `--realizations` other samples of their lengths:
+    colocated, shiftable and the static search's `--top` splits from the draw's own lengths. A draw whose
+    `expected_ratio` is >= 0.99 loses only where the baseline is the luckiest of several near-equal plans
+    on the lengths that came out; one below it loses in expectation. Ratio summary printed last."""
+    t0 = time.perf_counter()
+    seeds = [int(x) for x in args.seeds.split(",")]
+    rows = []
+    with ProcessPoolExecutor(max_workers=args.jobs) as pool:
+        splits = dict(zip(seeds, pool.map(_searched_splits, seeds, [args.quick] * len(seeds),
+                                          [args.top] * len(seeds))))
+        futs = {f"seed {s} realization {i}": pool.submit(_realization_one, s, args.quick, i, splits[s])
+                for s in seeds for i in range(args.realizations)}
+        done = dict(in_order(pool, futs))
+        for s in seeds:
+            row = realization_row(s, splits[s], [done[f"seed {s} realization {i}"]
+                                                for i in range(args.realizations)])
+            rows.append(row)
+            print(f"seed {s:3d}: expected {row['expected_ratio']:.4f} "
+                  f"(best {row['best_expected_baseline']}), "
+                  f"hindsight median {row['median_hindsight_ratio']:.4f}, "
+                  f"{row['realizations_below_0.99']}/{row['realizations']} below 0.99", flush=True)
+    out = {
+        "quick": args.quick,
+        "draws": len(rows),
+        "realizations": args.realizations,
+        "worst_expected_ratio": min(r["expected_ratio"] for r in rows),
+        "median_expected_ratio": statistics.median(r["expected_ratio"] for r in rows),
+        "expected_losses": [r["seed"] for r in rows if r["expected_ratio"] < 0.99],
+        "median_hindsight_ratio": statistics.median(h for r in rows for h in r["hindsight_ratios"]),
+        "wall_s": time.perf_counter() - t0,
+        "rows": rows,
+    }
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(out, indent=1))
+    keys = ("draws", "realizations", "expected_losses", "median_hindsight_ratio", "median_expected_ratio",
+            "worst_expected_ratio")
+    print(json.dumps({k: round(out[k], 4) if isinstance(out[k], float) else out[k] for k in keys}))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -417,9 +518,16 @@ def main() -> None:
     gap.add_argument("--workloads", type=int, default=12, help="seeds to draw (those with 65-400 splits run)")
     gap.add_argument("--first-seed", type=int, default=0)
     gap.add_argument("--json", dest="json_out", default=None, metavar="OUT.json")
+    rz = sub.add_parser("realizations")
+    rz.add_argument("--seeds", required=True, help="comma-separated draw seeds (those of `random`)")
+    rz.add_argument("--quick", action="store_true", help="the draws as `random --quick` makes them")
+    rz.add_argument("--realizations", type=_at_least_one, default=8, help="other length samples per draw")
+    rz.add_argument("--top", type=_at_least_one, default=4, help="the static search's best splits to rerun")
+    rz.add_argument("--jobs", type=int, default=2)
+    rz.add_argument("--json", dest="json_out", default=None, metavar="OUT.json")
     args = ap.parse_args()
     cmds = {"paper": paper, "sweep": sweep, "speed": speed, "table": table, "random": random_workloads,
-            "static-gap": static_gap}
+            "static-gap": static_gap, "realizations": realizations}
     cmds[args.cmd](args)
 
 

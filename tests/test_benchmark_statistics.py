@@ -231,3 +231,35 @@ def test_the_profiles_step_line_runs_through_every_step_of_the_window(a, b, per_
     assert cost["rollout"]["decode"]["a_s"] == pytest.approx(a, rel=1e-4)
     assert cost["rollout"]["prefill_tokens_per_s"] == pytest.approx(1 / per_token, rel=1e-3)
     assert cost["reward"]["decode"]["a_s"] == pytest.approx(0.01)  # no totals for it: core's fits
+
+
+def test_a_realizations_expected_ratio_is_against_the_best_median_and_hindsight_per_realization() -> None:
+    from benchmarks.sim import realization_row
+
+    splits = [{"rollout": 4, "reward": 2, "train": 2}, {"rollout": 2, "reward": 4, "train": 2}]
+    # split A wins realizations 0 and 1 by luck, split B has the better median; shiftable is level with B
+    runs = [{"colocated": 50.0, "shiftable": 100.0, "static": [104.0, 100.0]},
+            {"colocated": 50.0, "shiftable": 100.0, "static": [103.0, 100.0]},
+            {"colocated": 50.0, "shiftable": 100.0, "static": [90.0, 100.0]},
+            {"colocated": 120.0, "shiftable": 100.0, "static": [91.0, 100.0]}]
+    row = realization_row(7, splits, runs)
+    assert row["best_expected_baseline"] == "2/4/2"
+    assert row["expected_ratio"] == pytest.approx(1.0)
+    assert row["hindsight_ratios"] == pytest.approx([100 / 104, 100 / 103, 1.0, 100 / 120])
+    assert row["realizations_below_0.99"] == 3
+    assert row["median_hindsight_ratio"] == pytest.approx((100 / 104 + 100 / 103) / 2)
+
+
+@given(st.lists(st.tuples(st.floats(1, 1e4), st.floats(1, 1e4), st.floats(1, 1e4)), min_size=1, max_size=9))
+@settings(max_examples=200, deadline=None)
+def test_no_realization_baseline_is_below_any_fixed_plan(values: list[tuple[float, float, float]]) -> None:
+    """Choosing the baseline after the lengths came out never makes shiftable look better than against the
+    plan that is best in expectation, realization by realization."""
+    from benchmarks.sim import realization_row
+
+    runs = [{"colocated": c, "shiftable": s, "static": [a]} for s, c, a in values]
+    row = realization_row(0, [{"rollout": 1, "reward": 1, "train": 1}], runs)
+    best = row["best_expected_baseline"]
+    for r, h in zip(runs, row["hindsight_ratios"]):
+        fixed = r["colocated"] if best == "colocated" else r["static"][0]
+        assert h <= r["shiftable"] / fixed + 1e-12
