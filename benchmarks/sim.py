@@ -270,6 +270,17 @@ def _at_least_one(text: str) -> int:
     return value
 
 
+def _seed_list(text: str) -> list[int]:
+    """argparse type of `--seeds`: comma-separated draw seeds, each an integer >= 0."""
+    try:
+        seeds = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not comma-separated integers: {text!r}") from None
+    if not seeds or min(seeds) < 0:
+        raise argparse.ArgumentTypeError(f"seeds must be >= 0, got {text!r}")
+    return seeds
+
+
 def _random_one(seed: int, quick: bool, search: dict[str, int] | None = None) -> dict[str, Any]:
     """One drawn workload: colocated, the searched best static split and shiftable, side by side.
     `search`: overrides of the draw's static search (`SearchConfig` fields), for a deeper baseline."""
@@ -447,7 +458,7 @@ def realizations(args: argparse.Namespace) -> None:
     `expected_ratio` is >= 0.99 loses only where the baseline is the luckiest of several near-equal plans
     on the lengths that came out; one below it loses in expectation. Ratio summary printed last."""
     t0 = time.perf_counter()
-    seeds = [int(x) for x in args.seeds.split(",")]
+    seeds = args.seeds
     rows = []
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
         splits = dict(zip(seeds, pool.map(_searched_splits, seeds, [args.quick] * len(seeds),
@@ -519,11 +530,11 @@ def main() -> None:
     gap.add_argument("--first-seed", type=int, default=0)
     gap.add_argument("--json", dest="json_out", default=None, metavar="OUT.json")
     rz = sub.add_parser("realizations")
-    rz.add_argument("--seeds", required=True, help="comma-separated draw seeds (those of `random`)")
+    rz.add_argument("--seeds", required=True, type=_seed_list, help="comma-separated draw seeds (`random`'s)")
     rz.add_argument("--quick", action="store_true", help="the draws as `random --quick` makes them")
     rz.add_argument("--realizations", type=_at_least_one, default=8, help="other length samples per draw")
     rz.add_argument("--top", type=_at_least_one, default=4, help="the static search's best splits to rerun")
-    rz.add_argument("--jobs", type=int, default=2)
+    rz.add_argument("--jobs", type=_at_least_one, default=2)
     rz.add_argument("--json", dest="json_out", default=None, metavar="OUT.json")
     args = ap.parse_args()
     cmds = {"paper": paper, "sweep": sweep, "speed": speed, "table": table, "random": random_workloads,

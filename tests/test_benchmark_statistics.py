@@ -263,3 +263,14 @@ def test_no_realization_baseline_is_below_any_fixed_plan(values: list[tuple[floa
     for r, h in zip(runs, row["hindsight_ratios"]):
         fixed = r["colocated"] if best == "colocated" else r["static"][0]
         assert h <= r["shiftable"] / fixed + 1e-12
+
+
+@pytest.mark.parametrize("text", ["a,b", "-1", "1,,2", "", "3,-4"])
+def test_realization_seeds_are_non_negative_integers(text: str) -> None:
+    import argparse
+
+    from benchmarks.sim import _seed_list
+
+    with pytest.raises(argparse.ArgumentTypeError):
+        _seed_list(text)
+    assert _seed_list("0,17,428") == [0, 17, 428]
